@@ -1,0 +1,5 @@
+import sys
+
+from neuron_async_sm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,100 @@
+"""Engine configuration: one frozen dataclass, validated once at construction.
+
+Every error names the field that is wrong, so a user can act on it. Nothing deeper in the
+engine reads environment variables or re-validates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEVICES = ("cpu", "cpu-inprocess")
+"""`cpu`: the emulated Neuron device as a separate process (true host/device overlap).
+`cpu-inprocess`: the same runtime with the device loop on a thread (fast unit tests; overlaps poorly)."""
+
+DTYPES = ("float32", "float64", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """An invalid engine configuration; the message names the field."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes an engine. Built once, validated in `__post_init__`."""
+
+    model: str = "tiny-llama"
+    device: str = "cpu"
+    dtype: str = "float32"
+    async_scheduling: bool = True
+    # Async scheduling feeds the sampled-token future straight into the next program, so the
+    # tokens must be sampled inside the program (on device). The design requires it.
+    on_device_sampling: bool = True
+    max_num_seqs: int = 8
+    max_model_len: int = 512
+    max_num_batched_tokens: int = 256  # per-step token budget (prefill chunks + decodes)
+    decode_buckets: tuple[int, ...] = (1, 2, 4, 8)  # padded decode batch sizes
+    prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256)  # padded per-row prefill token lengths
+    seed: int = 0  # seeds tiny-llama's weights and the per-request seeds of unseeded requests
+    runtime_queue_depth: int = 32  # in-flight programs before enqueue blocks (Neuron worker default)
+    device_time_ms: float = 0.0  # emulated accelerator: hold each program at least this long
+    device_threads: int = 1  # torch threads inside the emulated device
+    max_concurrent_batches: int = 2  # batch queue depth in async mode (the design fixes it at 2)
+    stats_log_interval_s: float = 10.0
+    trace_path: str | None = None  # NDJSON trace of machine transitions and materializations
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decode_buckets", tuple(sorted(set(self.decode_buckets))))
+        object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
+        if self.device not in DEVICES:
+            raise ConfigError(f"device: unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_model_len", self.max_model_len)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("runtime_queue_depth", self.runtime_queue_depth)
+        _positive("device_threads", self.device_threads)
+        if self.device_time_ms < 0:
+            raise ConfigError(f"device_time_ms: must be >= 0, got {self.device_time_ms}")
+        if not self.decode_buckets or min(self.decode_buckets) < 1:
+            raise ConfigError(f"decode_buckets: need positive sizes, got {self.decode_buckets}")
+        if max(self.decode_buckets) < self.max_num_seqs:
+            raise ConfigError(
+                f"decode_buckets: largest bucket {max(self.decode_buckets)} does not cover "
+                f"max_num_seqs={self.max_num_seqs}; add a bucket >= {self.max_num_seqs}"
+            )
+        if not self.prefill_buckets or min(self.prefill_buckets) < 1:
+            raise ConfigError(f"prefill_buckets: need positive sizes, got {self.prefill_buckets}")
+        if max(self.prefill_buckets) < self.max_num_batched_tokens:
+            raise ConfigError(
+                f"prefill_buckets: largest bucket {max(self.prefill_buckets)} does not cover "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}"
+            )
+        if self.async_scheduling and not self.on_device_sampling:
+            raise ConfigError(
+                "async_scheduling: requires on_device_sampling (the sampled-token future feeds the "
+                "next program); pass --no-async-scheduling to sample on the host"
+            )
+        if self.max_concurrent_batches != 2:
+            raise ConfigError(f"max_concurrent_batches: only 2 is supported, got {self.max_concurrent_batches}")
+
+    def decode_bucket(self, num_rows: int) -> int:
+        """Smallest decode bucket that holds `num_rows` rows."""
+        return _bucket(self.decode_buckets, num_rows, "decode_buckets")
+
+    def prefill_bucket(self, num_tokens: int) -> int:
+        """Smallest prefill bucket that holds a row of `num_tokens` tokens."""
+        return _bucket(self.prefill_buckets, num_tokens, "prefill_buckets")
+
+
+def _bucket(buckets: tuple[int, ...], n: int, name: str) -> int:
+    for size in buckets:
+        if size >= n:
+            return size
+    raise ConfigError(f"{name}: no bucket holds {n}")
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name}: must be a positive integer, got {value!r}")

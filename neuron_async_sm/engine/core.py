@@ -1,0 +1,182 @@
+"""The engine core: the step loop, in its synchronous and its async (batch-queue) form.
+
+`step_fn = step if batch_queue is None else step_with_batch_queue` — the two modes side by side.
+The synchronous `step()` is the reference that async must match token for token.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from concurrent.futures import Future
+
+from neuron_async_sm.config import EngineConfig
+from neuron_async_sm.engine.executor import Executor
+from neuron_async_sm.model import ModelSpec, build_step_program, load_model_config
+from neuron_async_sm.outputs import ModelRunnerOutput, RequestDelta, SchedulerOutput
+from neuron_async_sm.request import Request
+from neuron_async_sm.runtime import create_runtime
+from neuron_async_sm.sampling_params import SamplingParams
+from neuron_async_sm.scheduler import Scheduler
+from neuron_async_sm.trace import Tracer
+from neuron_async_sm.worker.model_runner import STEP_PROGRAM, ModelRunner
+
+logger = logging.getLogger("neuron_async_sm")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed earlier; build a new one."""
+
+
+class StepProgramFactory:
+    """Picklable: builds the step program inside the device (loads weights, allocates the KV cache)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+
+    def __call__(self) -> dict:
+        return {STEP_PROGRAM: build_step_program(self.spec)}
+
+
+class EngineCore:
+    """Scheduler + executor + the step loop."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = load_model_config(config.model)
+        self.tracer = Tracer(config.trace_path)
+        spec = ModelSpec(config.model, config.dtype, config.max_num_seqs, config.max_model_len, config.seed)
+        self.runtime = create_runtime(
+            config.device,
+            StepProgramFactory(spec),
+            queue_depth=config.runtime_queue_depth,
+            device_time_ms=config.device_time_ms,
+            num_threads=config.device_threads,
+        )
+        self.runner = ModelRunner(config, self.runtime, rank=0, tracer=self.tracer)
+        self.executor = Executor([self.runner], output_rank=0, async_output=config.async_scheduling)
+        self.scheduler = Scheduler(
+            config, eos_token_ids=self.model_config.eos_token_ids, vocab_size=self.model_config.vocab_size
+        )
+        self._seed_rng = random.Random(config.seed)
+        self._arrivals = 0
+        # Async: steps enqueued on the worker whose output is not applied yet, oldest first.
+        self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] | None = (
+            deque() if config.async_scheduling else None
+        )
+        self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
+        self.dead_reason: str | None = None
+        self.num_steps = 0  # forward steps enqueued
+        self.num_output_tokens = 0
+        self._started = time.perf_counter()
+        self._last_log = self._started
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._check_alive()
+        seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**63)
+        request = Request(request_id, list(prompt_token_ids), params, seed, self._arrivals)
+        self.scheduler.add_request(request)  # validates; raises InvalidRequestError
+        self._arrivals += 1
+
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        return self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+
+    # -- the two loops ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        """Synchronous step (Normal Flow): schedule, execute, block on tokens, update."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        self.num_steps += 1
+        self.executor.execute_model(scheduled)
+        output = self.executor.sample_tokens()
+        return self.scheduler.update_from_output(scheduled, output)
+
+    def step_with_batch_queue(self) -> list[RequestDelta]:
+        """Async step, one step ahead with a batch queue of depth 2.
+
+        1. If the queue has room, schedule the next step and enqueue it on the worker without waiting
+           for its tokens: the device starts it as soon as the previous program finishes.
+        2. If the queue is still not full, return at once: the engine stays one step ahead.
+        3. Otherwise wait for the oldest step's output (the async output thread materializes it) and
+           apply it to the scheduler. The next call schedules the step after.
+        """
+        assert self.batch_queue is not None
+        if len(self.batch_queue) < self.config.max_concurrent_batches:
+            scheduled = self.scheduler.schedule()
+            if not scheduled.is_empty:
+                self.num_steps += 1
+                self.batch_queue.append((scheduled, self.executor.execute_model_async(scheduled)))
+                if len(self.batch_queue) < self.config.max_concurrent_batches:
+                    return []
+        if not self.batch_queue:
+            return []
+        scheduled, future = self.batch_queue.popleft()
+        return self.scheduler.update_from_output(scheduled, future.result())
+
+    def run_step(self) -> list[RequestDelta]:
+        """One turn of the loop; a failure ends every in-flight request with an error, never hangs."""
+        self._check_alive()
+        try:
+            deltas = self.step_fn()
+        except Exception as exc:  # the device or the output thread failed
+            return self._die(exc)
+        self.num_output_tokens += sum(len(d.new_token_ids) for d in deltas)
+        self._maybe_log_stats()
+        return deltas
+
+    # -- failure, stats, shutdown -------------------------------------------------------------------
+
+    def _die(self, exc: BaseException) -> list[RequestDelta]:
+        reason = f"{type(exc).__name__}: {exc}"
+        logger.error("engine failed: %s", reason)
+        self.dead_reason = reason
+        # Drain: every in-flight step resolves (its program ran or failed); wait for each so no
+        # output is left half-materialized, then stop the output thread.
+        while self.batch_queue:
+            _, future = self.batch_queue.popleft()
+            future.exception(timeout=60)
+        self.executor.drop_pending()
+        self.executor.shutdown()
+        self.runtime.close()
+        return self.scheduler.fail_all(reason)
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead_reason}; create a new LLM")
+
+    def stats(self) -> dict:
+        elapsed = time.perf_counter() - self._started
+        stats = {
+            "async_scheduling": self.config.async_scheduling,
+            "steps": self.num_steps,
+            "output_tokens": self.num_output_tokens,
+            "elapsed_s": elapsed,
+            "tokens_per_s": self.num_output_tokens / elapsed if elapsed > 0 else 0.0,
+        }
+        if self.config.async_scheduling:
+            stats.update(self.runner.machine.counters())
+        return stats
+
+    def _maybe_log_stats(self) -> None:
+        now = time.perf_counter()
+        if now - self._last_log >= self.config.stats_log_interval_s:
+            self._last_log = now
+            logger.info("engine stats: %s", self.stats())
+
+    def shutdown(self) -> None:
+        if self.batch_queue:
+            for _, future in self.batch_queue:
+                future.exception(timeout=60)
+            self.batch_queue.clear()
+        self.executor.shutdown()
+        self.runtime.close()
+        self.tracer.close()

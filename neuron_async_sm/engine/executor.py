@@ -1,0 +1,84 @@
+"""The executor: drives the worker ranks and, in async mode, the async output thread.
+
+Shaped for tensor parallelism: every rank runs every step, but only the output rank's outputs go to
+the async output thread (the design's TP0). The other ranks' outputs are materialized only when
+their worker breaks the async flow; otherwise the next step's output simply supersedes them.
+Ranks run in this process today; a multi-process rank only has to provide the same two calls.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+
+from neuron_async_sm.outputs import ModelRunnerOutput, SchedulerOutput
+from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput
+from neuron_async_sm.worker.model_runner import ModelRunner
+
+_STOP = object()
+
+
+class Executor:
+    """Runs `execute_model` + `sample_tokens` on every rank; returns the output rank's result."""
+
+    def __init__(self, runners: list[ModelRunner], *, output_rank: int = 0, async_output: bool) -> None:
+        self.runners = runners
+        self.output_rank = output_rank
+        self._output_queue: queue.Queue | None = None
+        self._output_thread: threading.Thread | None = None
+        if async_output:
+            self._output_queue = queue.Queue()
+            self._output_thread = threading.Thread(
+                target=self._async_output_loop, name="async-output", daemon=True
+            )
+            self._output_thread.start()
+
+    def execute_model(self, scheduled: SchedulerOutput) -> None:
+        for runner in self.runners:
+            runner.execute_model(scheduled)
+
+    def sample_tokens(self) -> ModelRunnerOutput:
+        """Synchronous mode: the output rank's materialized tokens."""
+        outputs = [runner.sample_tokens() for runner in self.runners]
+        output = outputs[self.output_rank]
+        assert isinstance(output, ModelRunnerOutput)
+        return output
+
+    def execute_model_async(self, scheduled: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Async mode: enqueue the step on every rank; a Future resolved by the async output thread."""
+        assert self._output_queue is not None, "executor was built without the async output thread"
+        self.execute_model(scheduled)
+        outputs = [runner.sample_tokens() for runner in self.runners]
+        output = outputs[self.output_rank]
+        assert isinstance(output, AsyncModelRunnerOutput)
+        result: Future[ModelRunnerOutput] = Future()
+        self._output_queue.put((output, result))
+        return result
+
+    def _async_output_loop(self) -> None:
+        """Materialize each step's output in order, overlapped with the engine scheduling the next.
+
+        Never waits on the worker main thread: get_output() needs only the device and the output's
+        own lock, which the main thread holds only while it materializes (no deadlock).
+        """
+        assert self._output_queue is not None
+        while True:
+            item = self._output_queue.get()
+            if item is _STOP:
+                return
+            output, result = item
+            try:
+                result.set_result(output.get_output())
+            except BaseException as exc:  # surfaced to the engine core, never swallowed
+                result.set_exception(exc)
+
+    def drop_pending(self) -> None:
+        for runner in self.runners:
+            runner.drop_pending()
+
+    def shutdown(self) -> None:
+        if self._output_thread is not None and self._output_queue is not None:
+            self._output_queue.put(_STOP)
+            self._output_thread.join(timeout=30)
+            self._output_thread = None

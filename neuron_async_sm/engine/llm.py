@@ -1,0 +1,157 @@
+"""The user-facing API, in the spirit of vLLM's `LLM` class."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from neuron_async_sm.config import EngineConfig
+from neuron_async_sm.engine.core import EngineCore
+from neuron_async_sm.outputs import RequestDelta, RequestOutput
+from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
+
+
+@dataclass(frozen=True)
+class PromptRequest:
+    """One request to generate: its tokens, its parameters, and (optionally) when it arrives."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = SamplingParams()
+    request_id: str | None = None
+    arrival_step: int = 0  # added just before the engine's arrival_step-th loop turn (0-based)
+
+
+class LLM:
+    """Generate with the engine: `LLM(model="tiny-llama", async_scheduling=True, ...)`.
+
+    Keyword arguments are EngineConfig fields. One invalid request never takes down the others:
+    `generate()` returns it with finish_reason "error" and a message naming the field.
+    """
+
+    def __init__(self, model: str = "tiny-llama", **config: object) -> None:
+        self.config = EngineConfig(model=model, **config)  # type: ignore[arg-type]
+        self.engine = EngineCore(self.config)
+        self._ids = itertools.count()
+        self.num_loop_turns = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    # -- step-level API -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; raises InvalidRequestError naming the bad field."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self.engine.add_request(request_id, prompt_token_ids, sampling_params or SamplingParams())
+        return request_id
+
+    def step(self) -> list[RequestDelta]:
+        """One turn of the engine loop: the tokens and finishes it produced."""
+        self.num_loop_turns += 1
+        return self.engine.run_step()
+
+    def abort(self, request_id: str) -> RequestDelta | None:
+        return self.engine.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    # -- whole-run API ------------------------------------------------------------------------------
+
+    def stream(
+        self,
+        requests: Sequence[PromptRequest | list[int]],
+        sampling_params: SamplingParams | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield per-step deltas (new tokens of one request; `finished` on its last) as steps finish."""
+        pending = sorted(
+            (self._as_request(r, sampling_params, i) for i, r in enumerate(requests)),
+            key=lambda r: r.arrival_step,
+        )
+        prompts: dict[str, list[int]] = {}
+        turn = 0
+        while pending or self.has_unfinished_requests():
+            while pending and pending[0].arrival_step <= turn:
+                request = pending.pop(0)
+                assert request.request_id is not None
+                prompts[request.request_id] = request.prompt_token_ids
+                try:
+                    self.add_request(request.prompt_token_ids, request.sampling_params, request.request_id)
+                except InvalidRequestError as exc:
+                    yield RequestOutput(request.request_id, request.prompt_token_ids, [], True, "error", str(exc))
+            if self.has_unfinished_requests():
+                for delta in self.step():
+                    yield _to_output(delta, prompts.get(delta.request_id, []))
+            turn += 1
+
+    def generate(
+        self,
+        requests: Sequence[PromptRequest | list[int]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run requests to completion; outputs in input order."""
+        normalized = [self._as_request(r, sampling_params, i) for i, r in enumerate(requests)]
+        results = {r.request_id: RequestOutput(r.request_id, r.prompt_token_ids) for r in normalized}
+        progress = _progress(len(normalized)) if use_tqdm else None
+        for delta in self.stream(normalized):
+            result = results[delta.request_id]
+            result.output_token_ids.extend(delta.output_token_ids)
+            if delta.finished:
+                result.finished, result.finish_reason, result.error = True, delta.finish_reason, delta.error
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(tok_s=f"{self.engine.stats()['tokens_per_s']:.0f}")
+        if progress is not None:
+            progress.close()
+        return [results[r.request_id] for r in normalized]
+
+    def _as_request(
+        self, request: PromptRequest | list[int], params: SamplingParams | None, index: int
+    ) -> PromptRequest:
+        if not isinstance(request, PromptRequest):
+            request = PromptRequest(list(request), params or SamplingParams())
+        if request.request_id is None:
+            request = PromptRequest(
+                request.prompt_token_ids, request.sampling_params, f"req-{next(self._ids)}", request.arrival_step
+            )
+        return request
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _to_output(delta: RequestDelta, prompt: list[int]) -> RequestOutput:
+    return RequestOutput(
+        delta.request_id,
+        prompt,
+        list(delta.new_token_ids),
+        delta.finish_reason is not None,
+        delta.finish_reason,
+        delta.error,
+    )
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)

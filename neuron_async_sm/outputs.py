@@ -1,0 +1,90 @@
+"""Values that cross a boundary: scheduler -> runner -> output thread -> client."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from neuron_async_sm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has not seen before (its first scheduled step)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    kv_slot: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one engine step runs. Built by the scheduler; the runner applies it."""
+
+    step_id: int
+    # Every request scheduled this step -> number of tokens it computes this step.
+    # Its key set is the step's request *set*; the runner compares it with the set that
+    # produced the pending future to detect a composition change.
+    num_scheduled_tokens: dict[str, int]
+    # request id -> tokens already computed before this step (prompt chunks + decodes).
+    num_computed_tokens: dict[str, int]
+    scheduled_new_reqs: list[NewRequestData]
+    # Requests that finished or were aborted since the previous schedule: the runner frees them.
+    finished_req_ids: frozenset[str]
+    # Requests whose row samples a real output token this step (prefill complete); a partial
+    # prefill chunk's sampled token is discarded.
+    sampling_req_ids: frozenset[str]
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """Sampled tokens of one step, keyed by the request ids snapshotted when the step was sampled."""
+
+    step_id: int
+    req_ids: list[str]  # row order of the step's program (the snapshot)
+    sampled_token_ids: list[int]  # [num_reqs], row i belongs to req_ids[i]
+
+    def token_for(self, request_id: str) -> int:
+        return self.sampled_token_ids[self.req_ids.index(request_id)]
+
+    def by_request(self) -> dict[str, int]:
+        return dict(zip(self.req_ids, self.sampled_token_ids))
+
+
+@dataclass
+class RequestOutput:
+    """What a client sees of one request: all tokens so far, or only the new ones when streaming."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "request_id": self.request_id,
+            "output_token_ids": list(self.output_token_ids),
+            "finish_reason": self.finish_reason,
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one step changed for one request: new tokens and, when it ended, why."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    error: str | None = None

@@ -1,0 +1,70 @@
+"""A request's lifecycle as the scheduler sees it. No tensors here."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from neuron_async_sm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # admitted, no KV slot yet
+    RUNNING = "running"  # holds a KV slot; scheduled every step it fits the budget
+    FINISHED = "finished"  # terminal; see FinishReason
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token was sampled
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # the client aborted it
+    ERROR = "error"  # the engine failed while it was in flight
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    `num_computed_tokens` counts tokens whose KV has been (or is being) written: the scheduler
+    advances it when it schedules a step, before the step runs. In async mode the scheduler runs one
+    step ahead, so tokens sampled by in-flight steps are not known yet: `num_output_placeholders`
+    counts them.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int  # the effective sampling seed (params.seed, or one drawn by the engine)
+    arrival_order: int
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_output_placeholders: int = 0
+    kv_slot: int | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens: prompt plus materialized outputs."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus the ones still being sampled by in-flight steps."""
+        return self.num_tokens + self.num_output_placeholders
+
+    @property
+    def num_outputs_with_placeholders(self) -> int:
+        return len(self.output_token_ids) + self.num_output_placeholders
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids

@@ -1,0 +1,224 @@
+"""Continuous batching in the style of vLLM v1. The scheduler never touches a tensor or a future.
+
+Each step it gives every running request one decode token (or its next prefill chunk), then admits
+waiting requests into free KV slots while the token budget lasts. A prefill longer than the budget is
+chunked over several steps.
+
+In async mode the engine schedules step N+1 before step N's tokens are known. The scheduler then
+counts each in-flight sampled token as an output *placeholder*:
+- a request whose in-flight tokens already reach `max_tokens` / `max_model_len` is not scheduled
+  again (the max_tokens pipelining gap: it leaves `num_scheduled_tokens` one step before it shows up
+  in `finished_req_ids`);
+- a stop on EOS or a stop token is only known after materialization, so the step already in flight
+  for that request samples one more token: `update_from_output` discards it, it is never emitted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from neuron_async_sm.config import EngineConfig
+from neuron_async_sm.outputs import ModelRunnerOutput, NewRequestData, RequestDelta, SchedulerOutput
+from neuron_async_sm.request import FinishReason, Request, RequestStatus
+from neuron_async_sm.sampling_params import InvalidRequestError
+
+
+class Scheduler:
+    """Waiting and running queues, KV slots, the token budget, and stop conditions."""
+
+    def __init__(self, config: EngineConfig, *, eos_token_ids: tuple[int, ...], vocab_size: int) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Every request the scheduler still tracks: unfinished ones, and finished ones that a step in
+        # flight still mentions. Keeping the latter guards token ownership: a recycled request id can
+        # never receive a token sampled for its previous owner.
+        self.requests: dict[str, Request] = {}
+        self._in_flight_steps: dict[str, int] = {}
+        self._free_slots: list[int] = list(range(config.max_num_seqs))
+        self._finished_since_schedule: set[str] = set()
+        self._next_step_id = 0
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Validate and queue a request. Raises InvalidRequestError naming the field; nothing else changes."""
+        prompt = request.prompt_token_ids
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request_id: duplicate request id {request.request_id!r}")
+        if not prompt:
+            raise InvalidRequestError("prompt_token_ids: empty prompt")
+        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt_token_ids: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(prompt) >= self.config.max_model_len:
+            raise InvalidRequestError(
+                f"prompt_token_ids: a prompt of {len(prompt)} tokens leaves no room for output under "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        self.requests[request.request_id] = request
+        self._in_flight_steps[request.request_id] = 0
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        """Finish a request as aborted. Tokens of its steps still in flight are discarded."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self._finish(request, FinishReason.ABORT)
+        return RequestDelta(request_id, [], FinishReason.ABORT.value)
+
+    def fail_all(self, error: str) -> list[RequestDelta]:
+        """The engine died: every unfinished request ends with finish_reason "error"."""
+        deltas = []
+        for request in list(self.requests.values()):
+            if not request.is_finished:
+                if request.status is RequestStatus.WAITING:
+                    self.waiting.remove(request)
+                self._finish(request, FinishReason.ERROR, error=error)
+                deltas.append(RequestDelta(request.request_id, [], FinishReason.ERROR.value, error))
+        return deltas
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- scheduling ---------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts. Advances `num_computed_tokens` at once."""
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        num_computed: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+
+        for request in self.running:
+            if budget == 0:
+                break
+            n = min(self._tokens_to_compute(request), budget)
+            if n > 0:
+                num_scheduled[request.request_id] = n
+                budget -= n
+
+        while self.waiting and budget > 0 and self._free_slots:
+            request = self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.kv_slot = self._free_slots.pop(0)
+            self.running.append(request)
+            n = min(request.num_prompt_tokens, budget)
+            num_scheduled[request.request_id] = n
+            budget -= n
+            new_reqs.append(
+                NewRequestData(
+                    request.request_id,
+                    list(request.prompt_token_ids),
+                    request.sampling_params,
+                    request.seed,
+                    request.kv_slot,
+                )
+            )
+
+        sampling: set[str] = set()
+        for req_id, n in num_scheduled.items():
+            request = self.requests[req_id]
+            num_computed[req_id] = request.num_computed_tokens
+            request.num_computed_tokens += n
+            self._in_flight_steps[req_id] += 1
+            if request.num_computed_tokens >= request.num_prompt_tokens:
+                sampling.add(req_id)
+                # One more token will exist once this step runs; in sync mode it is materialized
+                # before the next schedule, so the placeholder is gone by then.
+                request.num_output_placeholders += 1
+
+        if not num_scheduled:
+            # Nothing to run (e.g. every request waits on an in-flight token): keep the finished ids
+            # for the next step that reaches the worker.
+            return SchedulerOutput(self._next_step_id, {}, {}, [], frozenset(), frozenset())
+        output = SchedulerOutput(
+            step_id=self._next_step_id,
+            num_scheduled_tokens=num_scheduled,
+            num_computed_tokens=num_computed,
+            scheduled_new_reqs=new_reqs,
+            finished_req_ids=frozenset(self._finished_since_schedule),
+            sampling_req_ids=frozenset(sampling),
+        )
+        self._next_step_id += 1
+        self._finished_since_schedule.clear()
+        return output
+
+    def _tokens_to_compute(self, request: Request) -> int:
+        """Tokens a running request can compute now: its prompt remainder, or the one decode token."""
+        remaining = request.num_tokens_with_placeholders - request.num_computed_tokens
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            return remaining  # prefill chunk
+        # Decode: the max_tokens pipelining gap. If the tokens already in flight reach the limit,
+        # scheduling another step would sample a token past max_tokens / max_model_len.
+        params = request.sampling_params
+        if request.num_outputs_with_placeholders >= params.max_tokens:
+            return 0
+        if request.num_tokens_with_placeholders >= self.config.max_model_len:
+            return 0
+        return remaining
+
+    # -- results ------------------------------------------------------------------------------------
+
+    def update_from_output(self, scheduled: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestDelta]:
+        """Apply one step's sampled tokens: append, check stops, finish, free slots."""
+        tokens = output.by_request()
+        deltas: list[RequestDelta] = []
+        for req_id in scheduled.num_scheduled_tokens:
+            request = self.requests[req_id]
+            self._in_flight_steps[req_id] -= 1
+            if req_id in scheduled.sampling_req_ids:
+                request.num_output_placeholders -= 1
+                # A stop discovered on an earlier step's token (or an abort): this step was already in
+                # flight and sampled one more token for the request. Discard it, never emit it.
+                if not request.is_finished:
+                    token = tokens[req_id]
+                    request.output_token_ids.append(token)
+                    reason = self._stop_reason(request, token)
+                    if reason is not None:
+                        self._finish(request, reason)
+                    deltas.append(RequestDelta(req_id, [token], reason.value if reason else None))
+            self._forget_if_done(request)
+        return deltas
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.sampling_params
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        was_running = request.status is RequestStatus.RUNNING
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.error = error
+        if was_running:
+            self.running.remove(request)
+            # Safe to reuse the slot at once even if a step writing it is in flight: the device runs
+            # programs in order, and a new owner only attends to positions it wrote itself.
+            self._free_slots.append(request.kv_slot)
+            self._free_slots.sort()
+            self._finished_since_schedule.add(request.request_id)
+        self._forget_if_done(request)
+
+    def _forget_if_done(self, request: Request) -> None:
+        if request.is_finished and self._in_flight_steps.get(request.request_id) == 0:
+            del self.requests[request.request_id]
+            del self._in_flight_steps[request.request_id]

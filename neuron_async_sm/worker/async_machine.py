@@ -1,0 +1,173 @@
+"""The worker's per-step async decision as an explicit state machine.
+
+The transition table below is declared once, as data. Everything else is derived from it: the
+runtime guard (a `transitions` machine), the pure `decide()` used by tests, the state diagram
+(`neuron-async-sm diagram`) and the cross-check against the TLA+ spec.
+
+Between steps the machine rests in one of two states:
+- Idle: no pending sampled-token future (before the first step, or after a failure drained it);
+- Reinstate: the previous step left its sampled-token future, its ordered request ids and its async
+  output in the async execution buffer.
+`step` picks the path of the next step from the step's observations; `reinstate` ends every step.
+
+Path states (each forward step takes exactly one; only Steady counts as an async step):
+- NoPendingFuture: nothing pending, CPU-built inputs are correct as they are.
+- CompositionBreak: the scheduled request set differs from the set that produced the future:
+  materialize the pending output *before* the batch state changes, then build inputs on the CPU.
+- ShapeMismatchRebuild: same set, but the future cannot be the input (shape or dtype differs from the
+  padded input, or the step is not all-decode so its input is 2-D): materialize, then build inputs
+  from the refreshed CPU state — never the stale ones.
+- ReorderRemap: same set, same shape, but `condense()` changed the row order: permute the future's
+  real rows into the current order (padding rows untouched). The gather forces the future on the
+  worker main thread, so it is a sync fallback.
+- Steady: same set, same order, all decode, shape and dtype match: the future is the next input_ids,
+  no host round trip.
+
+This module has no torch: observations are plain values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transitions import Machine
+
+IDLE = "Idle"
+REINSTATE = "Reinstate"
+NO_PENDING_FUTURE = "NoPendingFuture"
+COMPOSITION_BREAK = "CompositionBreak"
+SHAPE_MISMATCH_REBUILD = "ShapeMismatchRebuild"
+REORDER_REMAP = "ReorderRemap"
+STEADY = "Steady"
+
+PATH_STATES = (NO_PENDING_FUTURE, COMPOSITION_BREAK, SHAPE_MISMATCH_REBUILD, REORDER_REMAP, STEADY)
+STATES = (IDLE, *PATH_STATES, REINSTATE)
+ASYNC_STATES = frozenset({STEADY})  # Steady and only Steady is an async step
+MATERIALIZING_STATES = frozenset({COMPOSITION_BREAK, SHAPE_MISMATCH_REBUILD, REORDER_REMAP})
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """What the worker sees at the start of a step, before it mutates any batch state."""
+
+    has_pending: bool  # the async execution buffer holds a future
+    prev_req_ids: tuple[str, ...]  # ordered ids that produced the pending future (empty if none)
+    curr_req_ids: tuple[str, ...]  # ordered ids of this step, after removals, additions, condense()
+    all_decode: bool  # every scheduled request computes exactly one decode token
+    pending_shape: tuple[int, ...]  # shape of the pending future
+    pending_dtype: str
+    input_shape: tuple[int, ...]  # shape of this step's padded input_ids
+    input_dtype: str
+
+
+# Predicates over one observation. Each is named for the situation it detects.
+def composition_changed(obs: StepObservation) -> bool:
+    # One set comparison catches every cause: finished, new, aborted, unscheduled requests.
+    return frozenset(obs.prev_req_ids) != frozenset(obs.curr_req_ids)
+
+
+def shape_mismatch(obs: StepObservation) -> bool:
+    return (
+        not obs.all_decode
+        or obs.pending_shape != obs.input_shape
+        or obs.pending_dtype != obs.input_dtype
+    )
+
+
+def order_changed(obs: StepObservation) -> bool:
+    return obs.prev_req_ids != obs.curr_req_ids
+
+
+CONDITIONS: dict[str, Callable[[StepObservation], bool]] = {
+    "composition_changed": composition_changed,
+    "shape_mismatch": shape_mismatch,
+    "order_changed": order_changed,
+}
+
+# The transition table. For one trigger and source, the first row whose condition holds wins.
+TRANSITIONS: tuple[dict, ...] = (
+    {"trigger": "step", "source": IDLE, "dest": NO_PENDING_FUTURE},
+    {"trigger": "step", "source": REINSTATE, "dest": COMPOSITION_BREAK, "conditions": "composition_changed"},
+    {"trigger": "step", "source": REINSTATE, "dest": SHAPE_MISMATCH_REBUILD, "conditions": "shape_mismatch"},
+    {"trigger": "step", "source": REINSTATE, "dest": REORDER_REMAP, "conditions": "order_changed"},
+    {"trigger": "step", "source": REINSTATE, "dest": STEADY},
+    {"trigger": "reinstate", "source": list(PATH_STATES), "dest": REINSTATE},
+    # A failure, or an engine that shut down, drops the pending future.
+    {"trigger": "drain", "source": list(STATES), "dest": IDLE},
+)
+
+
+def decide(obs: StepObservation) -> str:
+    """The path state a step takes, derived from TRANSITIONS alone (pure; no machine, no torch)."""
+    source = REINSTATE if obs.has_pending else IDLE
+    for row in TRANSITIONS:
+        if row["trigger"] == "step" and row["source"] == source:
+            condition = row.get("conditions")
+            if condition is None or CONDITIONS[condition](obs):
+                return row["dest"]
+    raise AssertionError(f"transition table has no step from {source}")
+
+
+class AsyncStepMachine:
+    """The runtime guard: a `transitions` machine over TRANSITIONS, with step counters.
+
+    Illegal triggers raise `transitions.MachineError` and leave the state unchanged.
+    """
+
+    def __init__(self, on_transition: Callable[[str, str, str], None] | None = None) -> None:
+        self.async_steps = 0
+        self.sync_fallback_steps = 0
+        self.state_counts: dict[str, int] = {s: 0 for s in PATH_STATES}
+        self._on_transition = on_transition
+        self._obs: StepObservation | None = None
+        self.machine = Machine(
+            model=self,
+            states=list(STATES),
+            transitions=[dict(row) for row in TRANSITIONS],
+            initial=IDLE,
+            auto_transitions=False,
+            send_event=True,
+            after_state_change="_after_state_change",
+        )
+
+    # Conditions used by the machine: the same predicates as decide().
+    def composition_changed(self, event) -> bool:
+        return composition_changed(event.kwargs["obs"])
+
+    def shape_mismatch(self, event) -> bool:
+        return shape_mismatch(event.kwargs["obs"])
+
+    def order_changed(self, event) -> bool:
+        return order_changed(event.kwargs["obs"])
+
+    def begin_step(self, obs: StepObservation) -> str:
+        """Fire `step` with the observation; return the path state and count the step."""
+        source = self.state
+        if source in (IDLE, REINSTATE) and (source == REINSTATE) != obs.has_pending:
+            raise ValueError(f"observation has_pending={obs.has_pending} contradicts machine state {source}")
+        self.step(obs=obs)  # type: ignore[attr-defined]  # trigger added by transitions
+        path = self.state
+        self.state_counts[path] += 1
+        if path in ASYNC_STATES:
+            self.async_steps += 1
+        else:
+            self.sync_fallback_steps += 1
+        return path
+
+    def end_step(self) -> None:
+        self.reinstate()  # type: ignore[attr-defined]
+
+    def drop_pending(self) -> None:
+        self.drain()  # type: ignore[attr-defined]
+
+    def counters(self) -> dict:
+        return {
+            "async_steps": self.async_steps,
+            "sync_fallback_steps": self.sync_fallback_steps,
+            "state_counts": dict(self.state_counts),
+        }
+
+    def _after_state_change(self, event) -> None:
+        if self._on_transition is not None:
+            self._on_transition(event.event.name, event.transition.source, event.transition.dest)

@@ -1,0 +1,91 @@
+"""One step's output whose sampled tokens may still live in a device future."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from neuron_async_sm.outputs import ModelRunnerOutput
+from neuron_async_sm.runtime import DeviceFuture
+from neuron_async_sm.trace import Tracer
+
+
+@dataclass(frozen=True)
+class StepSnapshot:
+    """Taken when the step is sampled (the design's `_bookkeeping_sync`): which request owns each row.
+
+    The next step's `_update_states()` may reorder or remove rows; tokens are written back by these
+    request ids, never by current row, so they always reach the request they were sampled for.
+    """
+
+    step_id: int
+    req_ids: tuple[str, ...]  # row i of the future belongs to req_ids[i]
+    sample_positions: tuple[int | None, ...]  # token position each row samples; None: partial prefill
+
+
+class AsyncModelRunnerOutput:
+    """Blocking, thread-safe, call-once materialization of one step's sampled tokens.
+
+    The async output thread and the worker main thread (when it breaks the async flow) may both call
+    `get_output()`; the per-object lock lets exactly one of them transfer and write back, and the
+    other gets the same result.
+    """
+
+    def __init__(
+        self,
+        snapshot: StepSnapshot,
+        future: DeviceFuture,
+        write_back: Callable[[StepSnapshot, list[int]], None],
+        tracer: Tracer = Tracer.NONE,
+    ) -> None:
+        self.snapshot = snapshot
+        self._future: DeviceFuture | None = future
+        self._write_back = write_back
+        self._tracer = tracer
+        self._lock = threading.Lock()
+        self._result: ModelRunnerOutput | None = None
+        self._error: BaseException | None = None
+        self.materialize_count = 0  # how many times the transfer + write-back ran (must stay <= 1)
+        self.materialized_by: str | None = None
+
+    @property
+    def step_id(self) -> int:
+        return self.snapshot.step_id
+
+    @property
+    def is_materialized(self) -> bool:
+        return self._result is not None or self._error is not None
+
+    def get_output(self) -> ModelRunnerOutput:
+        # Hazard: double materialization. Without the lock both threads could transfer and write the
+        # same tokens back, appending a request's token twice.
+        with self._lock:
+            if self._result is None and self._error is None:
+                self._materialize()
+            if self._error is not None:
+                raise self._error
+            assert self._result is not None
+            return self._result
+
+    def _materialize(self) -> None:
+        assert self._future is not None
+        try:
+            host = self._future.to_host()  # blocks until the program ran; re-raises its error
+            tokens = [int(t) for t in host[: len(self.snapshot.req_ids)].tolist()]
+            self._write_back(self.snapshot, tokens)
+            self._result = ModelRunnerOutput(self.snapshot.step_id, list(self.snapshot.req_ids), tokens)
+        except BaseException as exc:  # surfaced to every caller, never swallowed
+            self._error = exc
+        finally:
+            # Only our reference goes: the buffer still holds the future while a program may read it.
+            self._future = None
+            self.materialize_count += 1
+            self.materialized_by = threading.current_thread().name
+            self._tracer.event(
+                "Materialize",
+                step=self.snapshot.step_id,
+                req_ids=list(self.snapshot.req_ids),
+                ok=self._error is None,
+                count=self.materialize_count,
+            )

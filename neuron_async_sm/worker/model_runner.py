@@ -1,0 +1,202 @@
+"""The model runner: applies a SchedulerOutput, builds inputs, enqueues the program, hands back tokens.
+
+Synchronous mode (the reference) follows the design's Normal Flow: every step blocks on the host copy
+of its sampled tokens. Async mode follows the Async Flow: the sampled-token future stays on the device
+and feeds the next step; the runner asks the AsyncStepMachine which path a step takes and carries out
+that plan. It never decides the path itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from neuron_async_sm.config import EngineConfig
+from neuron_async_sm.outputs import ModelRunnerOutput, SchedulerOutput
+from neuron_async_sm.runtime import DeviceFuture, DeviceRuntime, TensorSpec
+from neuron_async_sm.trace import Tracer
+from neuron_async_sm.worker import async_machine as sm
+from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput, StepSnapshot
+from neuron_async_sm.worker.input_batch import CachedRequestState, InputBatch
+from neuron_async_sm.worker.model_input import (
+    SAMPLED_DTYPE,
+    ModelInput,
+    build_model_input,
+    is_decode_step,
+    padded_input_shape,
+)
+
+STEP_PROGRAM = "model_step"
+
+
+@dataclass(frozen=True)
+class AsyncExecutionBuffer:
+    """The bridge between consecutive async steps, refilled at the end of every step (Reinstate)."""
+
+    future: DeviceFuture  # sampled tokens of the previous step, [padded rows] int32, still on device
+    req_ids: tuple[str, ...]  # ordered request ids that produced it
+    output: AsyncModelRunnerOutput  # materialized only when the worker breaks the async flow
+
+
+@dataclass(frozen=True)
+class ExecutedStep:
+    scheduled: SchedulerOutput
+    model_input: ModelInput
+    future: DeviceFuture
+    path: str | None  # the machine's path state (async mode), None in sync mode
+
+
+class ModelRunner:
+    """One rank's worker state: the input batch, the async buffer and the step machine."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runtime: DeviceRuntime,
+        *,
+        rank: int = 0,
+        tracer: Tracer = Tracer.NONE,
+    ) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.rank = rank
+        self.tracer = tracer
+        self.use_async_scheduling = config.async_scheduling
+        self.batch = InputBatch()
+        # Guards the CPU token state against the async output thread's write-back. Lock order: an
+        # output's lock may be held while taking this one, never the reverse (no deadlock).
+        self._state_lock = threading.Lock()
+        self.buffer: AsyncExecutionBuffer | None = None
+        self.machine = sm.AsyncStepMachine(on_transition=self._trace_transition)
+        self._executed: ExecutedStep | None = None
+        self._step_id = -1
+        self._step_req_ids: tuple[str, ...] = ()
+
+    # -- the step -----------------------------------------------------------------------------------
+
+    def execute_model(self, scheduled: SchedulerOutput) -> None:
+        """Update states, prepare inputs, enqueue the program. Sync mode blocks on its output."""
+        self._step_id = scheduled.step_id
+        path = self._begin_async_step(scheduled) if self.use_async_scheduling else None
+        if path in (sm.COMPOSITION_BREAK, sm.SHAPE_MISMATCH_REBUILD):
+            # Hazard: stale input ids. The newest token of these requests exists only in the pending
+            # future; materialize it into CPU state *before* the batch is updated and inputs built.
+            self._materialize_pending()
+        self._update_states(scheduled)
+        model_input = self._prepare_model_input(scheduled)
+        if path is not None:
+            assert model_input.req_ids == self._step_req_ids, "row order differs from the observed order"
+        input_ids = self._async_input_ids(path, model_input)
+        future = self.runtime.enqueue(
+            STEP_PROGRAM,
+            model_input.program_inputs(input_ids),
+            TensorSpec((model_input.num_rows,), SAMPLED_DTYPE),
+        )
+        self._executed = ExecutedStep(scheduled, model_input, future, path)
+
+    def sample_tokens(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Snapshot the row owners and return the step's output (async: still a future)."""
+        executed, self._executed = self._executed, None
+        assert executed is not None, "sample_tokens() without execute_model()"
+        model_input = executed.model_input
+        snapshot = StepSnapshot(executed.scheduled.step_id, model_input.req_ids, model_input.sample_positions)
+        output = AsyncModelRunnerOutput(snapshot, executed.future, self._write_back, self.tracer)
+        if not self.use_async_scheduling:
+            return output.get_output()  # Normal Flow: block on the host copy
+        # Reinstate: whatever path this step took, the next one can go async again.
+        self.buffer = AsyncExecutionBuffer(executed.future, model_input.req_ids, output)
+        self.machine.end_step()
+        return output
+
+    def drop_pending(self) -> None:
+        """Forget the pending future (after a failure or on shutdown)."""
+        self.buffer = None
+        self._executed = None
+        self.machine.drop_pending()
+
+    # -- async plan ---------------------------------------------------------------------------------
+
+    def _begin_async_step(self, scheduled: SchedulerOutput) -> str:
+        prompt_lens = {n.request_id: len(n.prompt_token_ids) for n in scheduled.scheduled_new_reqs}
+        prompt_lens.update(
+            {r: s.num_prompt_tokens for r, s in self.batch.requests.items() if r in scheduled.num_scheduled_tokens}
+        )
+        is_decode = is_decode_step(scheduled, prompt_lens)
+        order = self.batch.preview_order(
+            scheduled.finished_req_ids, [n.request_id for n in scheduled.scheduled_new_reqs]
+        )
+        self._step_req_ids = tuple(r for r in order if r in scheduled.num_scheduled_tokens)
+        buffer = self.buffer
+        obs = sm.StepObservation(
+            has_pending=buffer is not None,
+            prev_req_ids=buffer.req_ids if buffer else (),
+            curr_req_ids=self._step_req_ids,
+            all_decode=is_decode,
+            pending_shape=tuple(buffer.future.shape) if buffer else (),
+            pending_dtype=str(buffer.future.dtype) if buffer else "",
+            input_shape=padded_input_shape(self.config, scheduled, is_decode),
+            input_dtype=str(SAMPLED_DTYPE),
+        )
+        return self.machine.begin_step(obs)
+
+    def _async_input_ids(self, path: str | None, model_input: ModelInput) -> DeviceFuture | torch.Tensor | None:
+        """The input_ids the plan calls for; None means the CPU-built ones."""
+        if path == sm.STEADY:
+            assert self.buffer is not None
+            # Device-to-device feed: the previous step's sampled tokens are this step's input ids.
+            return self.buffer.future
+        if path == sm.REORDER_REMAP:
+            return self._remap_pending(model_input)
+        return None
+
+    def _remap_pending(self, model_input: ModelInput) -> torch.Tensor:
+        """Permute the future's real rows into the current order; padding rows stay where they are.
+
+        Hazard: token ownership after condense(). Without the remap, row i would feed request
+        curr[i] the token sampled for prev[i]. The gather forces the future on this thread.
+        """
+        assert self.buffer is not None
+        prev_row = {req_id: i for i, req_id in enumerate(self.buffer.req_ids)}
+        order = list(range(model_input.num_rows))
+        for i, req_id in enumerate(model_input.req_ids):
+            order[i] = prev_row[req_id]
+        return self.buffer.future.index_select(torch.tensor(order, dtype=torch.int64))
+
+    def _materialize_pending(self) -> None:
+        """Break the async flow: bring the pending output to the host on this (main) thread."""
+        if self.buffer is not None:
+            self.buffer.output.get_output()
+
+    # -- CPU state ----------------------------------------------------------------------------------
+
+    def _update_states(self, scheduled: SchedulerOutput) -> None:
+        added = [
+            CachedRequestState(n.request_id, list(n.prompt_token_ids), n.sampling_params, n.seed, n.kv_slot)
+            for n in scheduled.scheduled_new_reqs
+        ]
+        with self._state_lock:
+            self.batch.update(scheduled.finished_req_ids, added)
+            for req_id, computed in scheduled.num_computed_tokens.items():
+                self.batch.requests[req_id].num_computed_tokens = computed
+
+    def _prepare_model_input(self, scheduled: SchedulerOutput) -> ModelInput:
+        with self._state_lock:
+            rows = [self.batch.requests[r] for r in self.batch.req_ids if r in scheduled.num_scheduled_tokens]
+            is_decode = is_decode_step(scheduled, {s.request_id: s.num_prompt_tokens for s in rows})
+            return build_model_input(self.config, scheduled, rows, is_decode)
+
+    def _write_back(self, snapshot: StepSnapshot, tokens: list[int]) -> None:
+        """Write sampled tokens into CPU state by the snapshot's request ids (never by current row)."""
+        with self._state_lock:
+            for req_id, position, token in zip(snapshot.req_ids, snapshot.sample_positions, tokens):
+                state = self.batch.requests.get(req_id)
+                if state is not None and position is not None:
+                    state.write_token(position, token)
+
+    def _trace_transition(self, trigger: str, source: str, dest: str) -> None:
+        if self.tracer.enabled:
+            self.tracer.event(
+                trigger, step=self._step_id, source=source, state=dest, req_ids=list(self._step_req_ids)
+            )

@@ -1,0 +1,95 @@
+"""The step machine alone: the pure decision, the table, illegal triggers, counters. No torch."""
+
+import pytest
+from transitions import MachineError
+
+from neuron_async_sm.worker import async_machine as sm
+from neuron_async_sm.worker.input_batch import next_row_order
+
+
+def obs(prev=("a", "b"), curr=("a", "b"), decode=True, pshape=(4,), ishape=(4,), pdtype="int32", pending=True):
+    return sm.StepObservation(pending, prev if pending else (), curr, decode, pshape, pdtype, ishape, "int32")
+
+
+@pytest.mark.parametrize(
+    "observation,expected",
+    [
+        (obs(pending=False), sm.NO_PENDING_FUTURE),
+        (obs(curr=("a",)), sm.COMPOSITION_BREAK),  # finished / unscheduled
+        (obs(curr=("a", "b", "c")), sm.COMPOSITION_BREAK),  # joined
+        (obs(curr=("b", "c")), sm.COMPOSITION_BREAK),  # same size, different set
+        (obs(pshape=(2,)), sm.SHAPE_MISMATCH_REBUILD),  # first decode after a prefill
+        (obs(pdtype="int64"), sm.SHAPE_MISMATCH_REBUILD),
+        (obs(decode=False, ishape=(2, 16)), sm.SHAPE_MISMATCH_REBUILD),  # chunked prefill continues
+        (obs(curr=("b", "a")), sm.REORDER_REMAP),
+        (obs(curr=("b", "a"), pshape=(2,)), sm.SHAPE_MISMATCH_REBUILD),  # rebuild beats remap
+        (obs(), sm.STEADY),
+    ],
+)
+def test_decide_follows_the_design(observation, expected):
+    assert sm.decide(observation) == expected
+
+
+def test_machine_and_pure_decision_agree_and_count():
+    machine = sm.AsyncStepMachine()
+    seq = [obs(pending=False), obs(pshape=(2,)), obs(), obs(), obs(curr=("b", "a")), obs(curr=("a",))]
+    for o in seq:
+        assert machine.begin_step(o) == sm.decide(o)
+        machine.end_step()
+    assert machine.async_steps == 2
+    assert machine.sync_fallback_steps == 4
+    assert machine.state_counts == {
+        sm.NO_PENDING_FUTURE: 1, sm.COMPOSITION_BREAK: 1, sm.SHAPE_MISMATCH_REBUILD: 1,
+        sm.REORDER_REMAP: 1, sm.STEADY: 2,
+    }  # fmt: skip
+
+
+def test_illegal_triggers_raise_and_leave_the_state_unchanged():
+    machine = sm.AsyncStepMachine()
+    with pytest.raises(MachineError):
+        machine.end_step()  # reinstate from Idle
+    assert machine.state == sm.IDLE
+    machine.begin_step(obs(pending=False))
+    with pytest.raises(MachineError):
+        machine.begin_step(obs())  # step twice without reinstate
+    assert machine.state == sm.NO_PENDING_FUTURE
+    assert machine.sync_fallback_steps == 1
+
+
+def test_observation_must_match_the_buffer_state():
+    machine = sm.AsyncStepMachine()
+    with pytest.raises(ValueError, match="has_pending"):
+        machine.begin_step(obs())
+
+
+def test_only_steady_is_async():
+    assert sm.ASYNC_STATES == {sm.STEADY}
+    assert set(sm.PATH_STATES) | {sm.IDLE, sm.REINSTATE} == set(sm.STATES)
+
+
+def test_transition_callback_reports_every_transition():
+    seen = []
+    machine = sm.AsyncStepMachine(on_transition=lambda *t: seen.append(t))
+    machine.begin_step(obs(pending=False))
+    machine.end_step()
+    machine.drop_pending()
+    assert seen == [
+        ("step", sm.IDLE, sm.NO_PENDING_FUTURE),
+        ("reinstate", sm.NO_PENDING_FUTURE, sm.REINSTATE),
+        ("drain", sm.REINSTATE, sm.IDLE),
+    ]
+
+
+@pytest.mark.parametrize(
+    "rows,removed,added,expected",
+    [
+        ("abcd", "b", "", "adc"),  # condense moves the last row into the hole: a reorder
+        ("abcd", "b", "e", "aecd"),  # a new request fills the hole: no reorder
+        ("abcd", "bc", "", "ad"),
+        ("abcd", "ad", "", "cb"),
+        ("abcd", "", "e", "abcde"),
+        ("", "", "ab", "ab"),
+    ],
+)
+def test_row_order_after_update(rows, removed, added, expected):
+    assert next_row_order(list(rows), frozenset(removed), list(added)) == list(expected)

@@ -1,0 +1,147 @@
+"""Scheduler policy: budget, chunked prefill, stop conditions, abort, async placeholders."""
+
+import pytest
+
+from neuron_async_sm.config import EngineConfig
+from neuron_async_sm.outputs import ModelRunnerOutput
+from neuron_async_sm.request import Request
+from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
+from neuron_async_sm.scheduler import Scheduler
+
+EOS = 2
+
+
+def make(async_scheduling=False, **kw):
+    cfg = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, prefill_buckets=(16,))
+    cfg.update(kw)
+    return Scheduler(EngineConfig(async_scheduling=async_scheduling, **cfg), eos_token_ids=(EOS,), vocab_size=100)
+
+
+def add(s, rid, n_prompt=4, **params):
+    s.add_request(Request(rid, list(range(10, 10 + n_prompt)), SamplingParams(**params), seed=0, arrival_order=0))
+
+
+def run(s, so, token=50, per_req=None):
+    ids = list(so.num_scheduled_tokens)
+    toks = [(per_req or {}).get(r, token) for r in ids]
+    return s.update_from_output(so, ModelRunnerOutput(so.step_id, ids, toks))
+
+
+def test_decodes_and_prefill_share_the_token_budget():
+    s = make(max_num_batched_tokens=16)
+    add(s, "a", 10, max_tokens=5)
+    add(s, "b", 10, max_tokens=5)
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 10, "b": 6}  # b's prefill is chunked by the budget
+    assert so.sampling_req_ids == {"a"}
+    run(s, so)
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 1, "b": 4}
+    assert so.num_computed_tokens == {"a": 10, "b": 6}
+    assert so.sampling_req_ids == {"a", "b"}
+
+
+def test_chunked_prefill_emits_no_token_until_the_prompt_is_done():
+    s = make(max_num_batched_tokens=16, prefill_buckets=(16,))
+    add(s, "a", 40, max_tokens=3)
+    deltas = []
+    for _ in range(3):
+        so = s.schedule()
+        deltas += run(s, so)
+    assert [d.new_token_ids for d in deltas] == [[50]]  # only the third chunk (8 tokens) samples
+
+
+def test_max_num_seqs_limits_running_requests():
+    s = make(max_num_seqs=2)
+    for r in "abc":
+        add(s, r, 2, max_tokens=2)
+    so = s.schedule()
+    assert set(so.num_scheduled_tokens) == {"a", "b"}
+    assert [n.kv_slot for n in so.scheduled_new_reqs] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "params,tokens,reason,emitted",
+    [
+        ({"max_tokens": 3}, [50, 51, 52, 53], "length", 3),
+        ({"max_tokens": 9}, [50, EOS, 52], "stop", 2),
+        ({"max_tokens": 9, "ignore_eos": True}, [50, EOS, 52], None, 3),
+        ({"max_tokens": 9, "stop_token_ids": (51,)}, [50, 51, 52], "stop", 2),
+    ],
+)
+def test_stop_conditions(params, tokens, reason, emitted):
+    s = make()
+    add(s, "a", 4, **params)
+    out = []
+    for t in tokens:
+        if not s.has_unfinished_requests():
+            break
+        out += run(s, s.schedule(), token=t)
+    assert sum(len(d.new_token_ids) for d in out) == emitted
+    assert out[-1].finish_reason == reason
+
+
+def test_max_model_len_stops_with_length():
+    s = make(max_model_len=8)
+    add(s, "a", 6, max_tokens=50)
+    out = []
+    while s.has_unfinished_requests():
+        out += run(s, s.schedule())
+    assert sum(len(d.new_token_ids) for d in out) == 2 and out[-1].finish_reason == "length"
+
+
+def test_abort_waiting_and_running_frees_the_slot_once():
+    s = make(max_num_seqs=1)
+    add(s, "a")
+    add(s, "b")
+    so = s.schedule()
+    assert s.abort_request("b").finish_reason == "abort"  # waiting
+    assert s.abort_request("a").finish_reason == "abort"  # running, step in flight
+    assert s.abort_request("a") is None  # idempotent
+    assert run(s, so) == []  # the in-flight token of an aborted request is discarded
+    assert s._free_slots == [0]
+    add(s, "c")
+    assert s.schedule().finished_req_ids == {"a"}
+
+
+def test_async_placeholders_close_the_max_tokens_gap():
+    s = make(async_scheduling=True)
+    add(s, "a", 4, max_tokens=2)
+    add(s, "b", 4, max_tokens=5)
+    s1 = s.schedule()  # prefill both: each has one token in flight
+    s2 = s.schedule()  # one step ahead: a's second token is its last
+    assert s2.num_scheduled_tokens == {"a": 1, "b": 1}
+    run(s, s1)
+    s3 = s.schedule()
+    assert "a" not in s3.num_scheduled_tokens  # a reaches max_tokens with s2's token
+    deltas = run(s, s2)
+    assert [d.finish_reason for d in deltas if d.request_id == "a"] == ["length"]
+
+
+def test_async_stop_discards_the_in_flight_token():
+    s = make(async_scheduling=True)
+    add(s, "a", 4, max_tokens=10)
+    s1 = s.schedule()
+    s2 = s.schedule()
+    assert run(s, s1, token=EOS)[0].finish_reason == "stop"
+    assert run(s, s2, token=77) == []  # sampled after the stop: never emitted
+    assert "a" not in s.requests
+
+
+@pytest.mark.parametrize(
+    "prompt,message",
+    [([], "empty"), ([5, 100], "outside the vocabulary"), (list(range(64)), "max_model_len")],
+)
+def test_bad_prompts_are_rejected_with_the_field_named(prompt, message):
+    s = make()
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids") as info:
+        s.add_request(Request("x", prompt, SamplingParams(), 0, 0))
+    assert message in str(info.value)
+    assert not s.has_unfinished_requests()
+
+
+def test_duplicate_request_id_is_rejected():
+    s = make()
+    add(s, "a")
+    with pytest.raises(InvalidRequestError, match="request_id"):
+        add(s, "a")
