@@ -190,7 +190,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-requests", type=int, default=32)
     _add_engine_args(demo)
     demo.set_defaults(func=run_demo)
+
+    diagram = sub.add_parser("diagram", help="draw the worker's state machine from its transition table")
+    diagram.add_argument("--output", default="docs/state_machine", help="path without suffix (.dot/.svg/.png)")
+    diagram.set_defaults(func=run_diagram)
     return parser
+
+
+def run_diagram(args: argparse.Namespace) -> int:
+    from neuron_async_sm.worker.diagram import write_state_diagram
+
+    for path in write_state_diagram(args.output):
+        print(f"wrote {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

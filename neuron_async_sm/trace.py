@@ -17,7 +17,7 @@ class Tracer:
 
     def __init__(self, path: str | None) -> None:
         self.enabled = path is not None
-        self._file: IO[str] | None = open(path, "w", encoding="utf-8") if path else None  # noqa: SIM115
+        self._file: IO[str] | None = open(path, "w", encoding="utf-8", buffering=1) if path else None  # noqa: SIM115
         self._lock = threading.Lock()
         self._seq = 0
 

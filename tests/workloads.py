@@ -1,0 +1,72 @@
+"""Random workloads and a driver that runs one through an engine turn by turn (aborts included)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from neuron_async_sm import LLM, SamplingParams
+
+
+@dataclass
+class WorkItem:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival_turn: int
+    abort_turn: int | None = None
+
+
+@dataclass
+class RunResult:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    finish: dict[str, str | None] = field(default_factory=dict)
+    deltas_per_turn: list[int] = field(default_factory=list)
+
+
+def random_workload(rng: random.Random, tag: str, vocab: int = 1024, max_prompt: int = 60) -> list[WorkItem]:
+    items = []
+    for i in range(rng.randint(1, 10)):
+        temperature = rng.choice([0.0, 0.0, 0.7, 1.3])
+        params = SamplingParams(
+            max_tokens=rng.randint(1, 30),
+            temperature=temperature,
+            top_k=rng.choice([0, 0, 5, 50]),
+            top_p=rng.choice([1.0, 1.0, 0.9, 0.5]),
+            seed=rng.choice([None, rng.randrange(2**31)]),
+            stop_token_ids=tuple(rng.sample(range(3, vocab), rng.choice([0, 0, 20, 60]))),
+            ignore_eos=rng.random() < 0.3,
+        )
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, max_prompt))]
+        abort = rng.randint(0, 25) if rng.random() < 0.15 else None
+        items.append(WorkItem(f"{tag}-{i}", prompt, params, rng.randint(0, 12), abort))
+    return items
+
+
+def drive(llm: LLM, items: list[WorkItem], *, aborts: bool = True, max_turns: int = 10_000) -> RunResult:
+    """Add each item at its arrival turn, abort at its abort turn, step until everything finished."""
+    result = RunResult()
+    pending = sorted(items, key=lambda w: w.arrival_turn)
+    added: set[str] = set()
+    for turn in range(max_turns):
+        while pending and pending[0].arrival_turn <= turn:
+            item = pending.pop(0)
+            llm.add_request(item.prompt, item.params, item.request_id)
+            added.add(item.request_id)
+            result.tokens[item.request_id] = []
+        if aborts:
+            for item in items:
+                if item.abort_turn == turn and item.request_id in added:
+                    delta = llm.abort(item.request_id)
+                    if delta is not None:
+                        result.finish[item.request_id] = delta.finish_reason
+        deltas = llm.step() if llm.has_unfinished_requests() else []
+        for d in deltas:
+            assert d.request_id not in result.finish, f"{d.request_id} got a token after it finished"
+            result.tokens[d.request_id].extend(d.new_token_ids)
+            if d.finish_reason is not None:
+                result.finish[d.request_id] = d.finish_reason
+        result.deltas_per_turn.append(len(deltas))
+        if not pending and not llm.has_unfinished_requests():
+            return result
+    raise AssertionError("workload did not finish")
