@@ -1,0 +1,114 @@
+"""The Llama decoder forward pass over a slot-indexed KV cache (plain tensors, no nn.Module)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from neuron_async_sm.model.config import LlamaConfig
+from neuron_async_sm.model.kv_cache import KVCache
+from neuron_async_sm.model.rope import RopeTable, apply_rope
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer. q/k/v and gate/up are fused so each layer runs two GEMMs where HF runs five."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv_proj: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]: rows are q, then k, then v
+    o_proj: torch.Tensor  # [hidden, heads * head_dim]
+    post_attention_norm: torch.Tensor  # [hidden]
+    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]: rows are gate, then up
+    down_proj: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass(frozen=True)
+class LlamaWeights:
+    """All weights of a LlamaForCausalLM in the model dtype."""
+
+    embed_tokens: torch.Tensor  # [vocab, hidden]
+    layers: tuple[LayerWeights, ...]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed_tokens when tied
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """One step's tokens, already sanitized: padding tokens carry id 0 and position 0."""
+
+    input_ids: torch.Tensor  # [B, L] int64
+    positions: torch.Tensor  # [B, L] int64
+    valid: torch.Tensor  # [B, L] bool: j < query_lens[b]
+    write_slots: torch.Tensor  # [B, L] int64: the row's slot for valid tokens, the scratch slot otherwise
+    slot_ids: torch.Tensor  # [B] int64: slot each row's queries read from
+    last_index: torch.Tensor  # [B] int64: index of the row's last valid token (0 for padding rows)
+    context_len: int  # max valid position + 1: attention reads only this cache prefix
+
+
+def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """Precision of norms, softmax and logits: float64 models stay float64, everything else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class LlamaModel:
+    """Llama decoder: embeddings, `num_hidden_layers` pre-norm blocks (GQA attention + SwiGLU), norm, lm_head.
+
+    Every op is row-local (no cross-row reduction), so a row's result does not depend on which other
+    rows share its batch beyond floating-point GEMM blocking.
+    """
+
+    def __init__(self, config: LlamaConfig, weights: LlamaWeights, max_model_len: int, dtype: torch.dtype):
+        self.config = config
+        self.weights = weights
+        self.rope = RopeTable.build(config, max_model_len, dtype)
+        self.compute_dtype = compute_dtype_for(dtype)
+        self.scale = config.head_dim ** -0.5
+
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Writes the batch's K/V into `cache`; returns logits `[B, vocab]` of each row's last valid token."""
+        w = self.weights
+        hidden = F.embedding(batch.input_ids, w.embed_tokens)  # [B, L, hidden]
+        rope = self.rope.lookup(batch.positions)
+        # Key position t is visible to query (b, j) iff t <= positions[b, j]: causal within the chunk
+        # (the chunk's own K/V are written before the read) and blind to stale entries past the row's
+        # end. Position 0 is always visible, so no query row is fully masked (which would give NaN).
+        key_pos = torch.arange(batch.context_len)
+        mask = (key_pos.view(1, 1, -1) <= batch.positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, L, T]
+        for index, layer in enumerate(w.layers):
+            attn_in = self._norm(hidden, layer.input_norm)
+            hidden = hidden + self._attention(index, layer, attn_in, batch, rope, mask, cache)
+            hidden = hidden + self._mlp(layer, self._norm(hidden, layer.post_attention_norm))
+        rows = torch.arange(hidden.shape[0])
+        last = self._norm(hidden[rows, batch.last_index], w.norm)  # [B, hidden]: lm_head only on last tokens
+        return F.linear(last, w.lm_head).to(self.compute_dtype)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xc = x.to(self.compute_dtype)
+        xc = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * xc.to(x.dtype)
+
+    def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch,
+                   rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor:
+        cfg = self.config
+        b, length, _ = x.shape
+        kv, heads, dim = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
+        q, k, v = F.linear(x, layer.qkv_proj).split([heads * dim, kv * dim, kv * dim], dim=-1)
+        q = apply_rope(q.view(b, length, heads, dim), *rope)  # [B, L, heads, D]
+        k = apply_rope(k.view(b, length, kv, dim), *rope)  # [B, L, kv, D]
+        # Padding tokens go to the scratch slot (batch.write_slots): writing them at their row's
+        # slot, position 0, would overwrite a live request's first token.
+        cache.write(index, batch.write_slots, batch.positions, k, v.view(b, length, kv, dim))
+        keys, values = cache.read(index, batch.slot_ids, batch.context_len)  # [B, T, kv, D]
+        # enable_gqa: query head h reads kv head h // (heads // kv), HF's repeat_kv order.
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask, scale=self.scale, enable_gqa=True,
+        )  # [B, heads, L, D]
+        return F.linear(out.transpose(1, 2).reshape(b, length, heads * dim), layer.o_proj)
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down_proj)

@@ -1,0 +1,115 @@
+"""StepProgram: the device's compiled program. One call = one forward over the KV cache + sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from neuron_async_sm.model.config import LlamaConfig, load_model_config
+from neuron_async_sm.model.kv_cache import KVCache
+from neuron_async_sm.model.llama import ForwardBatch, LlamaModel
+from neuron_async_sm.model.loader import load_weights
+from neuron_async_sm.model.sampler import sample_tokens
+from neuron_async_sm.model.spec import ModelSpec
+
+
+class StepProgram:
+    """A loaded Llama plus its static KV cache; each call runs one step for a batch of rows.
+
+    Row b holds query_lens[b] real tokens (a decode token, or a prefill chunk padded to the
+    bucket length L) for KV slot slot_ids[b]. The call writes the real tokens' K/V at
+    cache[slot, position], attends each token to its slot's positions 0..its own position, and samples
+    one token from the logits of the row's last real token. Padding rows (query_lens 0, slot
+    `scratch_slot`) return token 0. The cache persists across calls: it is the program's device state.
+    """
+
+    def __init__(self, spec: ModelSpec, config: LlamaConfig, model: LlamaModel, kv_cache: KVCache):
+        self.spec = spec
+        self.config = config
+        self.model = model
+        self.kv_cache = kv_cache
+
+    @property
+    def scratch_slot(self) -> int:
+        """Slot index padding rows must use; equals spec.max_num_seqs."""
+        return self.kv_cache.scratch_slot
+
+    def __call__(self, *, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: torch.Tensor,
+                 slot_ids: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 seeds: torch.Tensor, output_index: torch.Tensor) -> torch.Tensor:
+        """Sampled token ids, int32 `[B]`.
+
+        input_ids, positions: int32 `[B]` (decode) or `[B, L]`; query_lens, slot_ids: int32 `[B]`;
+        temperature: float32 `[B]` (0 = greedy); top_k: int32 `[B]` (0 = off); top_p: float32 `[B]`
+        (1.0 = off); seeds, output_index: int64 `[B]`.
+        """
+        with torch.inference_mode():
+            batch = self._prepare(input_ids, positions, query_lens, slot_ids)
+            logits = self.model.forward(batch, self.kv_cache)  # [B, vocab]
+            tokens = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   seeds=seeds, output_index=output_index)
+            return tokens.to(torch.int32)
+
+    def forward_logits(self, *, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: torch.Tensor,
+                       slot_ids: torch.Tensor) -> torch.Tensor:
+        """The same forward (including the KV writes) without sampling: logits `[B, vocab]`, for tests."""
+        with torch.inference_mode():
+            batch = self._prepare(input_ids, positions, query_lens, slot_ids)
+            return self.model.forward(batch, self.kv_cache)
+
+    def _prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: torch.Tensor,
+                 slot_ids: torch.Tensor) -> ForwardBatch:
+        if input_ids.dim() == 1:
+            input_ids, positions = input_ids.unsqueeze(1), positions.unsqueeze(1)
+        b, length = input_ids.shape
+        if positions.shape != input_ids.shape or query_lens.shape != (b,) or slot_ids.shape != (b,):
+            raise ValueError(
+                f"step inputs disagree in shape: input_ids {tuple(input_ids.shape)}, "
+                f"positions {tuple(positions.shape)}, query_lens {tuple(query_lens.shape)}, "
+                f"slot_ids {tuple(slot_ids.shape)}"
+            )
+        query_lens, slot_ids = query_lens.long(), slot_ids.long()
+        valid = torch.arange(length).unsqueeze(0) < query_lens.unsqueeze(1)  # [B, L]
+        # Padding tokens get id 0 and position 0 whatever the caller left there, so garbage in the
+        # padding can neither index out of range nor widen the attended cache prefix.
+        ids = input_ids.long().masked_fill(~valid, 0)
+        pos = positions.long().masked_fill(~valid, 0)
+        self._check(ids, pos, valid, query_lens, slot_ids, length)
+        return ForwardBatch(
+            input_ids=ids,
+            positions=pos,
+            valid=valid,
+            write_slots=torch.where(valid, slot_ids.unsqueeze(1), self.scratch_slot),
+            slot_ids=slot_ids,
+            last_index=(query_lens - 1).clamp(min=0),
+            context_len=int(pos.max()) + 1,
+        )
+
+    def _check(self, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, query_lens: torch.Tensor,
+               slot_ids: torch.Tensor, length: int) -> None:
+        if bool(((query_lens < 0) | (query_lens > length)).any()):
+            raise ValueError(f"query_lens {query_lens.tolist()} must lie in [0, {length}]")
+        if bool(((slot_ids < 0) | (slot_ids > self.scratch_slot)).any()):
+            raise ValueError(f"slot_ids {slot_ids.tolist()} must lie in [0, {self.scratch_slot}]")
+        real = slot_ids[query_lens > 0]
+        # Two live rows on one slot would race their K/V writes; padding rows with tokens would write
+        # the scratch slot and then read it as context, which is meaningless.
+        if real.unique().numel() != real.numel() or bool((real == self.scratch_slot).any()):
+            raise ValueError(f"rows with tokens need distinct real slots, got slot_ids {slot_ids.tolist()}")
+        if bool(((ids < 0) | (ids >= self.config.vocab_size)).any()):
+            raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size})")
+        if bool(((pos < 0) | (pos >= self.spec.max_model_len)).any()):
+            raise ValueError(f"positions must lie in [0, max_model_len={self.spec.max_model_len})")
+
+
+def build_step_program(spec: ModelSpec) -> StepProgram:
+    """Loads the config and weights named by `spec` and allocates its KV cache (zeros)."""
+    config = load_model_config(spec.model)
+    if spec.max_model_len > config.max_position_embeddings:
+        raise ValueError(
+            f"ModelSpec.max_model_len ({spec.max_model_len}) exceeds the model's "
+            f"max_position_embeddings ({config.max_position_embeddings})"
+        )
+    weights = load_weights(spec.model, config, spec.torch_dtype, seed=spec.seed)
+    model = LlamaModel(config, weights, spec.max_model_len, spec.torch_dtype)
+    kv_cache = KVCache(config, spec.max_num_seqs, spec.max_model_len, spec.torch_dtype)
+    return StepProgram(spec, config, model, kv_cache)

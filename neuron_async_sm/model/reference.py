@@ -1,0 +1,75 @@
+"""Packing rows into StepProgram inputs, and the one-request-alone decode loop tests compare against."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from neuron_async_sm.model.program import StepProgram
+
+
+@dataclass(frozen=True)
+class RowStep:
+    """One row of a step: a request's real tokens this step, where they go, and how to sample after them."""
+
+    token_ids: tuple[int, ...]  # decode: one token; prefill: a chunk of the prompt
+    start_position: int  # absolute position of token_ids[0]
+    slot: int  # the request's KV slot
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    output_index: int = 0  # index, within the request's output, of the token this step samples
+
+
+def pack_step(rows: Sequence[RowStep], scratch_slot: int, num_rows: int | None = None,
+              length: int | None = None) -> dict[str, torch.Tensor]:
+    """StepProgram kwargs for `rows`, padded to `num_rows` rows and `length` tokens per row.
+
+    Padding rows have query_len 0 and the scratch slot; padding tokens have id 0 and position 0,
+    as the engine's runner is expected to send them.
+    """
+    num_rows = len(rows) if num_rows is None else num_rows
+    length = max(len(r.token_ids) for r in rows) if length is None else length
+    if num_rows < len(rows) or any(len(r.token_ids) > length for r in rows):
+        raise ValueError(f"{len(rows)} rows do not fit a [{num_rows}, {length}] step")
+    ids = torch.zeros(num_rows, length, dtype=torch.int32)  # [B, L]
+    positions = torch.zeros(num_rows, length, dtype=torch.int32)  # [B, L]
+    query_lens = torch.zeros(num_rows, dtype=torch.int32)  # [B]
+    slot_ids = torch.full((num_rows,), scratch_slot, dtype=torch.int32)  # [B]
+    temperature = torch.zeros(num_rows, dtype=torch.float32)  # [B]
+    top_k = torch.zeros(num_rows, dtype=torch.int32)  # [B]
+    top_p = torch.ones(num_rows, dtype=torch.float32)  # [B]
+    seeds = torch.zeros(num_rows, dtype=torch.int64)  # [B]
+    output_index = torch.zeros(num_rows, dtype=torch.int64)  # [B]
+    for b, row in enumerate(rows):
+        n = len(row.token_ids)
+        ids[b, :n] = torch.tensor(row.token_ids, dtype=torch.int32)
+        positions[b, :n] = torch.arange(row.start_position, row.start_position + n, dtype=torch.int32)
+        query_lens[b], slot_ids[b] = n, row.slot
+        temperature[b], top_k[b], top_p[b] = row.temperature, row.top_k, row.top_p
+        seeds[b], output_index[b] = row.seed, row.output_index
+    return dict(input_ids=ids, positions=positions, query_lens=query_lens, slot_ids=slot_ids,
+                temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, output_index=output_index)
+
+
+def generate_alone(program: StepProgram, prompt: Sequence[int], max_new_tokens: int, *, slot: int = 0,
+                   prefill_chunk: int | None = None, temperature: float = 0.0, top_k: int = 0,
+                   top_p: float = 1.0, seed: int = 0) -> list[int]:
+    """One request run alone: prefill (in chunks of `prefill_chunk`), then decode one token per call.
+
+    The synchronous reference an engine must match token for token. Does not stop at EOS.
+    """
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    chunk = prefill_chunk or len(prompt)
+    token = 0
+    for start in range(0, len(prompt), chunk):
+        row = RowStep(tuple(prompt[start:start + chunk]), start, slot, output_index=0, **sampling)
+        token = int(program(**pack_step([row], program.scratch_slot))[0])
+    out = [token]
+    while len(out) < max_new_tokens:
+        row = RowStep((out[-1],), len(prompt) + len(out) - 1, slot, output_index=len(out), **sampling)
+        out.append(int(program(**pack_step([row], program.scratch_slot))[0]))
+    return out

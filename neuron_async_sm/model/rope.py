@@ -1,0 +1,58 @@
+"""Rotary position embedding: inverse frequencies (plain, linear- or llama3-scaled) and their application."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from neuron_async_sm.model.config import LlamaConfig
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies, float64 `[head_dim // 2]`, with the config's rope scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between
+    # (same formula as transformers' _compute_llama3_parameters).
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """cos/sin for every position a KV slot can hold: computed once in float64, stored in the model dtype."""
+
+    cos: torch.Tensor  # [max_model_len, head_dim]
+    sin: torch.Tensor  # [max_model_len, head_dim]
+
+    @staticmethod
+    def build(config: LlamaConfig, max_model_len: int, dtype: torch.dtype) -> RopeTable:
+        freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float64), rope_inv_freq(config))
+        emb = torch.cat((freqs, freqs), dim=-1)  # HF layout: the two halves share frequencies
+        return RopeTable(cos=emb.cos().to(dtype), sin=emb.sin().to(dtype))
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[B, L, 1, head_dim]` for positions `[B, L]`: gathered once per step for all layers."""
+        return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates x `[B, L, heads, head_dim]` by cos/sin `[B, L, 1, head_dim]` (HF's rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

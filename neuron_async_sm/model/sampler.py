@@ -1,0 +1,74 @@
+"""On-device sampling: greedy, temperature, top-k, top-p with counter-based (stateless) randomness.
+
+A row's token is a pure function of (logits row, temperature, top_k, top_p, seed, output_index): the
+noise for vocab id v is a hash of (seed, output_index, v), never a draw from a shared generator. So a
+request samples the same tokens whatever batch, batch position or step it runs in, and a retried or
+replayed step reproduces its tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# splitmix64 constants as wrapped signed int64 (torch has no uint64 arithmetic; int64 mul/add wrap).
+_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64: arithmetic shift, then clear the sign-extended top bits."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finalizer (with its gamma increment) on int64 tensors; bijective on 64-bit words."""
+    z = x + _GAMMA
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def uniform_noise(seeds: torch.Tensor, output_index: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """u in (0, 1), float64 `[B, vocab]`, for (seeds[b], output_index[b], v). Same inputs, same bits."""
+    key = splitmix64(splitmix64(seeds.long()) ^ output_index.long())  # [B]
+    vocab = torch.arange(vocab_size, dtype=torch.int64)
+    bits = splitmix64(key.unsqueeze(1) + vocab * _GAMMA)  # [B, vocab]: splitmix64's own counter stream
+    return (_shr(bits, 11).double() + 0.5) * 2.0**-53  # 53 random bits; +0.5 keeps 0 and 1 out
+
+
+def sample_tokens(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, seeds: torch.Tensor, output_index: torch.Tensor) -> torch.Tensor:
+    """One token per row, int64 `[B]`, from logits `[B, vocab]` (float32 or float64).
+
+    temperature `[B]` (0 -> greedy argmax), top_k `[B]` (0 -> off), top_p `[B]` (1.0 -> off),
+    seeds `[B]` int64, output_index `[B]` int64. Sampling is Gumbel-max over the filtered,
+    temperature-scaled logits, which draws exactly from their softmax.
+    """
+    greedy_tokens = logits.argmax(dim=-1)
+    greedy = temperature <= 0
+    if bool(greedy.all()):
+        return greedy_tokens
+    # Per-row branches below are taken for the whole batch or skipped, but a skipped filter would
+    # have been a no-op for that row, so a row's token never depends on its neighbours' parameters.
+    scaled = logits.double() / torch.where(greedy, 1.0, temperature.double()).unsqueeze(1)
+    vocab = logits.shape[-1]
+    k_on = (top_k > 0) & (top_k < vocab)
+    p_on = top_p < 1.0
+    if bool((k_on | p_on).any()):
+        scaled = scaled.masked_fill(_filtered_out(scaled, top_k, top_p, k_on, p_on), float("-inf"))
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, output_index, vocab)))
+    sampled = (scaled + gumbel).argmax(dim=-1)
+    return torch.where(greedy, greedy_tokens, sampled)
+
+
+def _filtered_out(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  k_on: torch.Tensor, p_on: torch.Tensor) -> torch.Tensor:
+    """Bool `[B, vocab]`: tokens outside the row's top-k, or outside the smallest set with mass >= top_p."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(scaled.shape[-1]).unsqueeze(0)  # [1, vocab]
+    drop = k_on.unsqueeze(1) & (rank >= top_k.long().unsqueeze(1))
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens; rank 0 always has 0
+    drop |= p_on.unsqueeze(1) & (mass_before >= top_p.double().unsqueeze(1)) & (rank > 0)  # top_p=0: greedy
+    return torch.zeros_like(drop).scatter(1, order, drop)

@@ -1,0 +1,28 @@
+"""Device runtime with Neuron async-execution semantics.
+
+Programs are enqueued and return futures at once; they run in order on the
+device; a future can feed a later program without visiting the host; reading
+one to the host blocks. See ``api.py`` for the protocol the worker codes
+against and ``create_runtime`` for the emulated backends.
+"""
+
+from .api import DeviceFuture, DeviceRuntime, Program, ProgramFactory, RuntimeStats, TensorSpec
+from .config import DeviceKind, RuntimeConfig
+from .create import create_runtime, create_runtime_from_config
+from .errors import DeviceLostError, DeviceProgramError, DeviceStartupError
+
+__all__ = [
+    "DeviceFuture",
+    "DeviceKind",
+    "DeviceLostError",
+    "DeviceProgramError",
+    "DeviceRuntime",
+    "DeviceStartupError",
+    "Program",
+    "ProgramFactory",
+    "RuntimeConfig",
+    "RuntimeStats",
+    "TensorSpec",
+    "create_runtime",
+    "create_runtime_from_config",
+]

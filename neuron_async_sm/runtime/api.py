@@ -1,0 +1,159 @@
+"""The device-runtime protocol the worker is written against.
+
+Neuron's async runtime has no streams, only futures: a compiled program is
+enqueued with inputs that may themselves be device futures, and it returns an
+output future at once. Programs run in enqueue order, each after its inputs
+resolve. Reading a future to the host blocks until it is ready and re-raises
+the program's failure.
+
+The worker sees only the two abstract classes below, so a torch-neuronx or a
+CUDA-stream backend can be added without touching it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+
+import torch
+
+Program = Callable[..., torch.Tensor]
+"""A compiled program: called with keyword tensor inputs, returns one tensor.
+
+The returned tensor becomes device memory owned by the output future; it must
+not alias state the program mutates later (e.g. return a slice of the KV cache
+by value, not by view), or a later read would see the mutation.
+"""
+
+ProgramFactory = Callable[[], Mapping[str, Program]]
+"""Builds the device's programs (load weights, allocate the KV cache, ...).
+
+Must be picklable (a module-level frozen dataclass with ``__call__``): the
+process backend ships it to the device process, where it is called once.
+"""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a device tensor; the device checks each output against it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(d, int) and d >= 0 for d in self.shape):
+            raise ValueError(f"TensorSpec.shape must be non-negative ints, got {self.shape!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"TensorSpec.dtype must be a torch.dtype, got {self.dtype!r}")
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> TensorSpec:
+        return TensorSpec(tuple(tensor.shape), tensor.dtype)
+
+
+@dataclass(frozen=True)
+class RuntimeStats:
+    """A snapshot of what the device did since construction or ``reset_stats``."""
+
+    programs_completed: int  # programs that finished successfully on the device
+    programs_failed: int  # programs that raised, were injected to fail, or had a failed input
+    device_time_s: float  # sum of per-program device time, measured inside the device
+    recent_device_times_s: list[float]  # last N per-program device times, oldest first
+    host_transfers: int  # device→host transfers (a cached or failed ``to_host`` does not count)
+    host_transfer_bytes: int
+    host_uploads: int  # host tensors sent as program inputs (a future fed device-to-device does not count)
+    host_upload_bytes: int
+    device_futures_live: int  # futures held in device memory after the last completed program (leak check)
+
+
+class DeviceFuture(ABC):
+    """Handle to a tensor that lives (or will live) in device memory.
+
+    Produced by ``DeviceRuntime.enqueue``; may be passed back as an input to a
+    later ``enqueue`` without crossing to the host.
+    """
+
+    @property
+    @abstractmethod
+    def spec(self) -> TensorSpec: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.spec.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.dtype
+
+    @abstractmethod
+    def to_host(self) -> torch.Tensor:
+        """Block until the program finished, then return its output on the host.
+
+        Thread-safe. The transfer happens at most once per future; every caller
+        receives the same cached tensor, which must be treated as read-only.
+        Raises ``DeviceProgramError`` if the program failed and
+        ``DeviceLostError`` if the device is gone.
+        """
+
+    @abstractmethod
+    def done(self) -> bool:
+        """Non-blocking: True once ``to_host`` would not wait for the device."""
+
+    @abstractmethod
+    def index_select(self, index: torch.Tensor) -> torch.Tensor:
+        """Host-side gather along dim 0. Forces the future: blocks and transfers."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Free the device memory (idempotent). Also happens on garbage collection."""
+
+
+class DeviceRuntime(ABC):
+    """An in-order device that runs named programs on futures.
+
+    ``enqueue`` returns at once; programs run strictly in enqueue order. At most
+    ``queue_depth`` programs are unfinished at a time: past that, ``enqueue``
+    blocks until one finishes (it never drops work).
+    """
+
+    @property
+    @abstractmethod
+    def queue_depth(self) -> int: ...
+
+    @abstractmethod
+    def enqueue(
+        self, program: str, inputs: Mapping[str, torch.Tensor | DeviceFuture], out: TensorSpec
+    ) -> DeviceFuture:
+        """Enqueue ``program(**inputs)`` and return the future of its output.
+
+        Host tensors are copied at enqueue time; a ``DeviceFuture`` input is
+        consumed on the device. Raises ``DeviceLostError`` once the runtime is
+        dead or closed.
+        """
+
+    @abstractmethod
+    def inject_failure(self, after: int = 0) -> None:
+        """Make the program enqueued ``after`` programs from now fail (0: the next one)."""
+
+    @abstractmethod
+    def stats(self) -> RuntimeStats: ...
+
+    @abstractmethod
+    def reset_stats(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the device (idempotent, never hangs); waiters get ``DeviceLostError``."""
+
+    def __enter__(self) -> DeviceRuntime:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,47 @@
+"""Runtime configuration, validated once at construction."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class DeviceKind(enum.Enum):
+    """Where the emulated device runs; the value is the ``device=`` string."""
+
+    PROCESS = "cpu"  # a spawned process: the host and the device overlap like a real accelerator
+    THREAD = "cpu-inprocess"  # a thread in this process: same semantics, shares the GIL, fast to start
+
+    @staticmethod
+    def parse(device: str) -> DeviceKind:
+        for kind in DeviceKind:
+            if kind.value == device:
+                return kind
+        valid = ", ".join(repr(k.value) for k in DeviceKind)
+        raise ValueError(f"unknown device {device!r}; valid choices: {valid}")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Everything that shapes a runtime besides its programs."""
+
+    device: DeviceKind
+    queue_depth: int = 32  # unfinished programs allowed before enqueue blocks
+    device_time_ms: float = 0.0  # each program is held on the device at least this long
+    num_threads: int = 1  # torch intra-op threads of the device process (PROCESS only)
+    close_grace_s: float = 1.0  # how long close() waits for the device before forcing it down
+    recent_times_kept: int = 1024  # per-program device times kept for medians
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, DeviceKind):
+            raise ValueError(f"RuntimeConfig.device must be a DeviceKind, got {self.device!r}")
+        if self.queue_depth < 1:
+            raise ValueError(f"RuntimeConfig.queue_depth must be >= 1, got {self.queue_depth}")
+        if self.device_time_ms < 0:
+            raise ValueError(f"RuntimeConfig.device_time_ms must be >= 0, got {self.device_time_ms}")
+        if self.num_threads < 1:
+            raise ValueError(f"RuntimeConfig.num_threads must be >= 1, got {self.num_threads}")
+        if self.close_grace_s < 0:
+            raise ValueError(f"RuntimeConfig.close_grace_s must be >= 0, got {self.close_grace_s}")
+        if self.recent_times_kept < 1:
+            raise ValueError(f"RuntimeConfig.recent_times_kept must be >= 1, got {self.recent_times_kept}")

@@ -1,0 +1,46 @@
+"""``create_runtime``: the one entry point that picks a backend."""
+
+from __future__ import annotations
+
+from .api import DeviceRuntime, ProgramFactory
+from .config import DeviceKind, RuntimeConfig
+from .host_runtime import HostRuntime
+from .transport import HostChannel, ProcessChannel, ThreadChannel
+
+
+def create_runtime(
+    device: str,
+    programs: ProgramFactory,
+    *,
+    queue_depth: int = 32,
+    device_time_ms: float = 0.0,
+    num_threads: int = 1,
+) -> DeviceRuntime:
+    """Start a device and block until its programs are built.
+
+    ``device="cpu"``: the emulated Neuron device in a spawned process (startup
+    ~1-2 s, the cost of importing torch there; ``programs`` must be picklable).
+    ``device="cpu-inprocess"``: the same device loop on a thread of this
+    process, for fast unit tests; it shares the GIL with the host, and
+    ``num_threads`` is ignored (it would change this process's torch threads).
+
+    Raises ``ValueError`` for an unknown device or a bad setting, and
+    ``DeviceStartupError`` (with the device-side traceback) if ``programs()`` raises.
+    """
+    config = RuntimeConfig(
+        device=DeviceKind.parse(device),
+        queue_depth=queue_depth,
+        device_time_ms=device_time_ms,
+        num_threads=num_threads,
+    )
+    return create_runtime_from_config(config, programs)
+
+
+def create_runtime_from_config(config: RuntimeConfig, programs: ProgramFactory) -> HostRuntime:
+    """``create_runtime`` for callers that already hold a validated ``RuntimeConfig``."""
+    channel: HostChannel
+    if config.device is DeviceKind.PROCESS:
+        channel = ProcessChannel(programs, config.device_time_ms, config.num_threads)
+    else:
+        channel = ThreadChannel(programs, config.device_time_ms)
+    return HostRuntime(channel, config)

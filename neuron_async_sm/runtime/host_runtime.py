@@ -1,0 +1,308 @@
+"""The host side of the emulated runtime, shared by both transports."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import threading
+from collections import deque
+from collections.abc import Mapping
+
+import torch
+
+from .api import DeviceFuture, DeviceRuntime, RuntimeStats, TensorSpec
+from .config import RuntimeConfig
+from .errors import DeviceLostError, DeviceProgramError, DeviceStartupError
+from .host_future import HostFuture
+from .messages import (
+    DeviceMessage,
+    Fetch,
+    Fetched,
+    FutureRef,
+    HostMessage,
+    ProgramDone,
+    ProgramInput,
+    Ready,
+    Release,
+    RunProgram,
+    Shutdown,
+    StartupFailed,
+    WireTensor,
+)
+from .stats import StatsRecorder
+from .transport import HostChannel
+
+
+class RuntimeState(enum.Enum):
+    """Lifecycle of a runtime; only RUNNING accepts work."""
+
+    RUNNING = "running"
+    CLOSED = "closed"  # close() was called
+    LOST = "lost"  # the device went away on its own (killed, crashed)
+
+
+class HostRuntime(DeviceRuntime):
+    """``DeviceRuntime`` over a ``HostChannel`` to a ``DeviceLoop``.
+
+    Threads: any number of callers (``enqueue``, ``to_host``, ``release``) plus
+    one receiver thread that dispatches device messages. Locks, always taken in
+    this order: a future's lock → ``_send_lock`` → ``_state_cv``.
+
+    - ``_send_lock`` orders everything sent to the device; sequence numbers are
+      assigned under it, so message order == sequence order.
+    - ``_state_cv`` guards lifecycle, in-flight bookkeeping and pending fetches.
+      It is never held while sending: a sender blocked on a full pipe must not
+      stop the receiver from draining the other direction (deadlock).
+    """
+
+    def __init__(self, channel: HostChannel, config: RuntimeConfig) -> None:
+        self._channel = channel
+        self._config = config
+        self._programs = self._await_ready()
+        self._send_lock = threading.Lock()
+        self._next_seq = 0  # (send lock) sequence number == output future id
+        self._next_fetch = 0  # (send lock)
+        self._injected: set[int] = set()  # (send lock) sequence numbers to fail
+        # GC'd futures wait here for the next send; deque.append takes no lock, so __del__ can never
+        # deadlock on a lock its own thread already holds, nor interleave with a half-written message.
+        self._deferred_releases: deque[int] = deque()
+        self._state_cv = threading.Condition()
+        self._state = RuntimeState.RUNNING  # (state)
+        self._down_reason = ""  # (state) why the runtime stopped accepting work
+        self._close_started = False  # (state)
+        self._slots_in_use = 0  # (state) unfinished programs, at most queue_depth
+        self._unfinished: dict[int, threading.Event] = {}  # (state) seq → set when it completes
+        self._fetches: dict[int, concurrent.futures.Future[WireTensor]] = {}  # (state) request → reply
+        self._stats = StatsRecorder(config.recent_times_kept)
+        self._receiver = threading.Thread(target=self._receive_loop, name="neuron-device-rx", daemon=True)
+        self._receiver.start()
+
+    def _await_ready(self) -> frozenset[str]:
+        try:
+            message: DeviceMessage = self._channel.recv()
+        except (EOFError, OSError):
+            reason = self._channel.describe_exit()
+            self._channel.stop(0.0)
+            raise DeviceStartupError(f"device exited before it was ready: {reason}") from None
+        if isinstance(message, Ready):
+            return frozenset(message.programs)
+        self._channel.stop(self._config.close_grace_s)
+        if isinstance(message, StartupFailed):
+            raise DeviceStartupError(message.error)
+        raise DeviceStartupError(f"device sent {message!r} before it was ready")
+
+    # ---- public API ------------------------------------------------------------------------------
+
+    @property
+    def queue_depth(self) -> int:
+        return self._config.queue_depth
+
+    @property
+    def programs(self) -> frozenset[str]:
+        return self._programs
+
+    @property
+    def device_pid(self) -> int | None:
+        """The device process id (fault tests kill it); None for the in-process backend."""
+        return self._channel.pid
+
+    def enqueue(
+        self, program: str, inputs: Mapping[str, torch.Tensor | DeviceFuture], out: TensorSpec
+    ) -> DeviceFuture:
+        if program not in self._programs:
+            raise ValueError(f"unknown program {program!r}; this device has {sorted(self._programs)}")
+        wire = {name: self._wire_input(name, value) for name, value in inputs.items()}
+        self._acquire_slot()
+        finished = threading.Event()
+        sent = False
+        try:
+            with self._send_lock:
+                for name, value in inputs.items():
+                    # Hazard: freed in-flight input. A released future's device memory is gone (or
+                    # will be, by the time this program runs); checked under the send lock, which
+                    # release() holds while it flags the future and sends the Release.
+                    if isinstance(value, HostFuture) and value.released:
+                        raise ValueError(f"input {name!r}: {value!r} was released")
+                seq = self._next_seq
+                self._next_seq += 1
+                inject = seq in self._injected
+                self._injected.discard(seq)
+                with self._state_cv:
+                    # Registered under the state lock: a device loss either sees this entry and
+                    # sets it, or happened first and we raise — the waiter can never hang.
+                    self._raise_if_down()
+                    self._unfinished[seq] = finished
+                self._send(RunProgram(seq, program, wire, out.shape, out.dtype, inject))
+                sent = True
+        finally:
+            if not sent:
+                self._return_slot()
+        for arg in wire.values():
+            if isinstance(arg, WireTensor):
+                self._stats.host_upload(arg.nbytes)
+        return HostFuture(self, seq, out, finished)
+
+    def inject_failure(self, after: int = 0) -> None:
+        if after < 0:
+            raise ValueError(f"inject_failure: after must be >= 0, got {after}")
+        with self._send_lock:
+            self._injected.add(self._next_seq + after)
+
+    def stats(self) -> RuntimeStats:
+        return self._stats.snapshot()
+
+    def reset_stats(self) -> None:
+        self._stats.reset()
+
+    def close(self) -> None:
+        with self._state_cv:
+            if self._close_started:
+                return
+            self._close_started = True
+            if self._state is RuntimeState.RUNNING:
+                self._state, self._down_reason = RuntimeState.CLOSED, "the runtime was closed"
+            self._state_cv.notify_all()  # blocked enqueues wake up and raise
+        grace = self._config.close_grace_s
+        # A sender stuck on a full pipe holds the send lock; do not wait on it forever.
+        if self._send_lock.acquire(timeout=grace):
+            try:
+                self._channel.send(Shutdown())
+            except OSError:
+                pass  # already gone
+            finally:
+                self._send_lock.release()
+        self._channel.stop(grace)
+        # Fail the waiters here as well: a device thread stuck in a program never reaches EOF.
+        self._device_gone(self._down_reason)
+        self._receiver.join(grace)
+        self._deferred_releases.clear()
+
+    # ---- FutureOwner (called by HostFuture) ------------------------------------------------------
+
+    def fetch(self, future_id: int) -> torch.Tensor:
+        reply: concurrent.futures.Future[WireTensor] = concurrent.futures.Future()
+        with self._send_lock:
+            request_id = self._next_fetch
+            self._next_fetch += 1
+            with self._state_cv:
+                self._raise_if_down()
+                self._fetches[request_id] = reply
+            self._send(Fetch(request_id, future_id))
+        value = reply.result()  # blocks; raises what the receiver set (program failure, device loss)
+        self._stats.host_transfer(value.nbytes)
+        return value.decode()
+
+    def release(self, future: HostFuture) -> None:
+        with self._send_lock:
+            if not future.mark_released():
+                return
+            with self._state_cv:
+                if self._state is not RuntimeState.RUNNING:
+                    return  # device memory went with the device
+            try:
+                # Safe to send now: the device processes this after every program already sent,
+                # so none of them can lose the tensor (see DeviceLoop._handle).
+                self._send(Release((future.future_id,)))
+            except DeviceLostError:
+                pass
+
+    def defer_release(self, future_id: int) -> None:
+        self._deferred_releases.append(future_id)
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _wire_input(self, name: str, value: torch.Tensor | DeviceFuture) -> ProgramInput:
+        if isinstance(value, HostFuture):
+            if value._owner is not self:
+                raise ValueError(f"input {name!r}: {value!r} belongs to another runtime")
+            return FutureRef(value.future_id)  # device-to-device: the host never sees the value
+        if isinstance(value, torch.Tensor):
+            return WireTensor.encode(value)  # copied now: later host writes cannot reach the device
+        raise TypeError(f"input {name!r}: expected a tensor or a DeviceFuture, got {type(value).__name__}")
+
+    def _acquire_slot(self) -> None:
+        with self._state_cv:
+            # Bounded in-flight queue: block (never drop) until a program finishes. A device loss
+            # or close() notifies all, so a blocked enqueue cannot hang.
+            while self._state is RuntimeState.RUNNING and self._slots_in_use >= self._config.queue_depth:
+                self._state_cv.wait()
+            self._raise_if_down()
+            self._slots_in_use += 1
+
+    def _return_slot(self) -> None:
+        with self._state_cv:
+            self._slots_in_use -= 1
+            self._state_cv.notify()
+
+    def _raise_if_down(self) -> None:
+        """Caller holds ``_state_cv``."""
+        if self._state is not RuntimeState.RUNNING:
+            raise DeviceLostError(f"device runtime is {self._state.value}: {self._down_reason}")
+
+    def _send(self, message: HostMessage) -> None:
+        """Caller holds ``_send_lock``. Flushes deferred releases first (they only ever name
+        futures nobody can pass to a later program, so sending them late is safe)."""
+        released: list[int] = []
+        while self._deferred_releases:
+            released.append(self._deferred_releases.popleft())
+        try:
+            if released:
+                self._channel.send(Release(tuple(released)))
+            self._channel.send(message)
+        except OSError as exc:
+            reason = self._channel.describe_exit()
+            self._device_gone(reason)
+            raise DeviceLostError(f"device lost while sending: {reason} ({exc})") from exc
+
+    def _receive_loop(self) -> None:
+        """Receiver thread: dispatch completions and fetched values until the device is gone."""
+        reason = "the device channel closed"
+        try:
+            while True:
+                message = self._channel.recv()
+                if isinstance(message, ProgramDone):
+                    self._on_program_done(message)
+                elif isinstance(message, Fetched):
+                    self._on_fetched(message)
+                else:
+                    raise TypeError(f"unexpected device message {message!r}")
+        except (EOFError, OSError):
+            reason = self._channel.describe_exit()
+        except BaseException as exc:  # a receiver bug must still release every waiter
+            reason = f"receiver thread failed: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self._device_gone(reason)
+
+    def _on_program_done(self, message: ProgramDone) -> None:
+        self._stats.program_done(message.device_time_s, message.error is not None, message.live_futures)
+        with self._state_cv:
+            finished = self._unfinished.pop(message.seq, None)
+            self._slots_in_use -= 1
+            self._state_cv.notify()  # one slot freed: wake one blocked enqueue
+        if finished is not None:
+            finished.set()
+
+    def _on_fetched(self, message: Fetched) -> None:
+        with self._state_cv:
+            reply = self._fetches.pop(message.request_id, None)
+        if reply is None:
+            return
+        if message.value is not None:
+            reply.set_result(message.value)
+        else:
+            reply.set_exception(DeviceProgramError(message.error or "fetch failed"))
+
+    def _device_gone(self, reason: str) -> None:
+        """Stop accepting work and release every waiter with DeviceLostError (idempotent)."""
+        with self._state_cv:
+            if self._state is RuntimeState.RUNNING:
+                self._state, self._down_reason = RuntimeState.LOST, reason
+            text = f"device runtime is {self._state.value}: {self._down_reason}"
+            unfinished, self._unfinished = self._unfinished, {}
+            fetches, self._fetches = self._fetches, {}
+            self._state_cv.notify_all()
+        for finished in unfinished.values():
+            finished.set()
+        for reply in fetches.values():
+            reply.set_exception(DeviceLostError(text))

@@ -1,0 +1,64 @@
+"""Thread-safe accumulation of ``RuntimeStats``."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from .api import RuntimeStats
+
+
+class StatsRecorder:
+    """Counters fed by the receiver thread (program completions) and by callers
+    of ``enqueue`` / ``to_host`` (transfers); ``snapshot`` freezes them."""
+
+    def __init__(self, recent_times_kept: int) -> None:
+        self._lock = threading.Lock()
+        self._recent_times_kept = recent_times_kept
+        self._live = 0  # a gauge, not a counter: reset() keeps it
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._completed = 0
+            self._failed = 0
+            self._device_time_s = 0.0
+            self._recent: deque[float] = deque(maxlen=self._recent_times_kept)
+            self._transfers = 0
+            self._transfer_bytes = 0
+            self._uploads = 0
+            self._upload_bytes = 0
+
+    def program_done(self, device_time_s: float, failed: bool, live_futures: int) -> None:
+        with self._lock:
+            self._live = live_futures
+            if failed:
+                self._failed += 1
+            else:
+                self._completed += 1
+            self._device_time_s += device_time_s
+            self._recent.append(device_time_s)
+
+    def host_transfer(self, nbytes: int) -> None:
+        with self._lock:
+            self._transfers += 1
+            self._transfer_bytes += nbytes
+
+    def host_upload(self, nbytes: int) -> None:
+        with self._lock:
+            self._uploads += 1
+            self._upload_bytes += nbytes
+
+    def snapshot(self) -> RuntimeStats:
+        with self._lock:
+            return RuntimeStats(
+                programs_completed=self._completed,
+                programs_failed=self._failed,
+                device_time_s=self._device_time_s,
+                recent_device_times_s=list(self._recent),
+                host_transfers=self._transfers,
+                host_transfer_bytes=self._transfer_bytes,
+                host_uploads=self._uploads,
+                host_upload_bytes=self._upload_bytes,
+                device_futures_live=self._live,
+            )

@@ -1,0 +1,214 @@
+"""The two transports between the host runtime and the device loop.
+
+``ProcessChannel`` runs the device loop in a spawned process and talks over a
+``multiprocessing`` pipe; ``ThreadChannel`` runs it on a thread and talks over
+two ``queue.Queue``. Everything else (the loop, the host runtime) is shared.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import signal
+import sys
+import threading
+from abc import ABC, abstractmethod
+
+import torch
+
+from .api import ProgramFactory
+from .device_loop import DeviceLoop
+from .errors import DeviceStartupError
+from .messages import DeviceMessage, HostMessage
+
+
+class HostChannel(ABC):
+    """The host's end of a transport. ``send`` is called under the runtime's send lock;
+    ``recv`` only from its single receiver thread."""
+
+    @abstractmethod
+    def send(self, message: HostMessage) -> None:
+        """Raises OSError (e.g. BrokenPipeError) when the device is gone."""
+
+    @abstractmethod
+    def recv(self) -> DeviceMessage:
+        """Block for the next message; raises EOFError (or OSError) when the device is gone."""
+
+    @abstractmethod
+    def stop(self, grace_s: float) -> None:
+        """Wait up to ``grace_s`` for the device to exit after Shutdown, then force it (idempotent)."""
+
+    @abstractmethod
+    def describe_exit(self) -> str:
+        """Why the device went away, for DeviceLostError messages."""
+
+    @property
+    def pid(self) -> int | None:
+        """The device process id, or None when the device is not a process."""
+        return None
+
+
+# ---- process backend -----------------------------------------------------------------------------
+
+
+class _PipeDeviceEnd:
+    """The device's end of the pipe (a ``device_loop.DeviceChannel``)."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection) -> None:
+        self._conn = conn
+
+    def recv(self, block: bool) -> HostMessage | None:
+        if not block and not self._conn.poll():
+            return None
+        return self._conn.recv()
+
+    def send(self, message: DeviceMessage) -> None:
+        self._conn.send(message)
+
+
+def _device_process_main(
+    conn: multiprocessing.connection.Connection,
+    factory: ProgramFactory,
+    device_time_ms: float,
+    num_threads: int,
+) -> None:
+    """Entry point of the device process."""
+    # Ctrl-C reaches the whole process group; the host decides when the device stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(num_threads)
+    DeviceLoop(device_time_ms).serve(_PipeDeviceEnd(conn), factory)
+    conn.close()
+    # Skip interpreter teardown (~0.4 s with torch loaded): device memory dies with the process
+    # and nothing else is left to flush, so close() returns promptly.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class ProcessChannel(HostChannel):
+    """Device loop in a spawned process (``device="cpu"``): host and device truly overlap."""
+
+    def __init__(self, factory: ProgramFactory, device_time_ms: float, num_threads: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        # Hazard: two threads reaping the same child (close() in stop, the receiver in describe_exit)
+        # make one waitpid fail with ECHILD; Process then reports a dead child as alive and
+        # close() would signal a pid that may have been reused.
+        self._reap_lock = threading.Lock()
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(
+            target=_device_process_main,
+            args=(child_conn, factory, device_time_ms, num_threads),
+            name="neuron-device",
+            daemon=True,  # never outlive the host, even if close() is never called
+        )
+        try:
+            self._process.start()
+        except Exception as exc:
+            self._conn.close()
+            raise DeviceStartupError(
+                f"could not start the device process for {factory!r} (the factory must be picklable, "
+                f"e.g. a module-level frozen dataclass): {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            # Drop the host's copy of the child's end: once the child dies, the pipe has no writer
+            # left and recv() raises EOFError instead of hanging forever.
+            child_conn.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def send(self, message: HostMessage) -> None:
+        self._conn.send(message)
+
+    def recv(self) -> DeviceMessage:
+        return self._conn.recv()
+
+    def stop(self, grace_s: float) -> None:
+        with self._reap_lock:
+            self._process.join(grace_s)
+            if self._process.is_alive():
+                self._process.terminate()
+                self._process.join(1.0)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(1.0)
+        self._conn.close()
+
+    def describe_exit(self) -> str:
+        with self._reap_lock:
+            self._process.join(0.5)  # reap it so the exit code is known
+        code = self._process.exitcode
+        if code is None:
+            return f"lost the channel to device process {self._process.pid}"
+        if code < 0:
+            return f"device process {self._process.pid} was killed by signal {-code}"
+        return f"device process {self._process.pid} exited with code {code}"
+
+
+# ---- thread backend ------------------------------------------------------------------------------
+
+
+class _EndOfStream:
+    """Put on the host's queue when the device thread exits: the queue's stand-in for EOF."""
+
+
+class _QueueDeviceEnd:
+    """The device's end of the queue pair (a ``device_loop.DeviceChannel``)."""
+
+    def __init__(self, inbox: queue.SimpleQueue[HostMessage], outbox: queue.SimpleQueue[object]) -> None:
+        self._inbox = inbox
+        self._outbox = outbox
+
+    def recv(self, block: bool) -> HostMessage | None:
+        try:
+            return self._inbox.get(block=block)
+        except queue.Empty:
+            return None
+
+    def send(self, message: DeviceMessage) -> None:
+        self._outbox.put(message)
+
+
+class ThreadChannel(HostChannel):
+    """Device loop on a thread of this process (``device="cpu-inprocess"``): fast to start,
+    same semantics, but the host and the device share the GIL."""
+
+    def __init__(self, factory: ProgramFactory, device_time_ms: float) -> None:
+        self._inbox: queue.SimpleQueue[HostMessage] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._main, args=(factory, device_time_ms), name="neuron-device", daemon=True
+        )
+        self._exit_reason = "device thread is running"
+        self._thread.start()
+
+    def _main(self, factory: ProgramFactory, device_time_ms: float) -> None:
+        try:
+            DeviceLoop(device_time_ms).serve(_QueueDeviceEnd(self._inbox, self._outbox), factory)
+            self._exit_reason = "device thread exited"
+        except BaseException as exc:  # a crash reaches the host as end-of-stream plus this reason
+            self._exit_reason = f"device thread crashed: {type(exc).__name__}: {exc}"
+        finally:
+            self._outbox.put(_EndOfStream())
+
+    def send(self, message: HostMessage) -> None:
+        if not self._thread.is_alive():
+            raise BrokenPipeError(self._exit_reason)
+        self._inbox.put(message)
+
+    def recv(self) -> DeviceMessage:
+        message = self._outbox.get()
+        if isinstance(message, _EndOfStream):
+            self._outbox.put(message)  # stay at end-of-stream for any later recv
+            raise EOFError(self._exit_reason)
+        return message  # type: ignore[return-value]
+
+    def stop(self, grace_s: float) -> None:
+        # A thread cannot be killed: one stuck in a program is abandoned (it is a daemon).
+        self._thread.join(grace_s)
+
+    def describe_exit(self) -> str:
+        return self._exit_reason
