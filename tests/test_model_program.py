@@ -150,6 +150,8 @@ def test_invalid_steps_are_rejected() -> None:
     two = pack_step([RowStep((5,), 0, 1), RowStep((6,), 0, 1)], program.scratch_slot)
     with pytest.raises(ValueError, match="distinct real slots"):
         program(**two)
+    with pytest.raises(ValueError, match="input_ids"):  # a placeholder token leaked into a real row
+        program(**pack_step([RowStep((5, -1), 0, 0)], program.scratch_slot))
     with pytest.raises(ValueError, match="max_model_len"):
         program(**pack_step([RowStep((5,), MAX_LEN, 0)], program.scratch_slot))
     with pytest.raises(ValueError, match="max_position_embeddings"):

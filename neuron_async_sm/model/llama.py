@@ -40,7 +40,6 @@ class ForwardBatch:
 
     input_ids: torch.Tensor  # [B, L] int64
     positions: torch.Tensor  # [B, L] int64
-    valid: torch.Tensor  # [B, L] bool: j < query_lens[b]
     write_slots: torch.Tensor  # [B, L] int64: the row's slot for valid tokens, the scratch slot otherwise
     slot_ids: torch.Tensor  # [B] int64: slot each row's queries read from
     last_index: torch.Tensor  # [B] int64: index of the row's last valid token (0 for padding rows)

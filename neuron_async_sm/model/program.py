@@ -20,6 +20,10 @@ class StepProgram:
     cache[slot, position], attends each token to its slot's positions 0..its own position, and samples
     one token from the logits of the row's last real token. Padding rows (query_lens 0, slot
     `scratch_slot`) return token 0. The cache persists across calls: it is the program's device state.
+
+    A malformed step raises ValueError before touching the cache: shapes that disagree, two live rows
+    on one slot, a real token id outside the vocab (so a leaked placeholder such as -1 is caught, not
+    embedded), or a position outside max_model_len.
     """
 
     def __init__(self, spec: ModelSpec, config: LlamaConfig, model: LlamaModel, kv_cache: KVCache):
@@ -47,7 +51,7 @@ class StepProgram:
             logits = self.model.forward(batch, self.kv_cache)  # [B, vocab]
             tokens = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p,
                                    seeds=seeds, output_index=output_index)
-            return tokens.to(torch.int32)
+            return tokens.masked_fill(query_lens == 0, 0).to(torch.int32)
 
     def forward_logits(self, *, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: torch.Tensor,
                        slot_ids: torch.Tensor) -> torch.Tensor:
@@ -73,19 +77,18 @@ class StepProgram:
         # padding can neither index out of range nor widen the attended cache prefix.
         ids = input_ids.long().masked_fill(~valid, 0)
         pos = positions.long().masked_fill(~valid, 0)
-        self._check(ids, pos, valid, query_lens, slot_ids, length)
+        self._check(ids, pos, query_lens, slot_ids, length)
         return ForwardBatch(
             input_ids=ids,
             positions=pos,
-            valid=valid,
             write_slots=torch.where(valid, slot_ids.unsqueeze(1), self.scratch_slot),
             slot_ids=slot_ids,
             last_index=(query_lens - 1).clamp(min=0),
             context_len=int(pos.max()) + 1,
         )
 
-    def _check(self, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, query_lens: torch.Tensor,
-               slot_ids: torch.Tensor, length: int) -> None:
+    def _check(self, ids: torch.Tensor, pos: torch.Tensor, query_lens: torch.Tensor, slot_ids: torch.Tensor,
+               length: int) -> None:
         if bool(((query_lens < 0) | (query_lens > length)).any()):
             raise ValueError(f"query_lens {query_lens.tolist()} must lie in [0, {length}]")
         if bool(((slot_ids < 0) | (slot_ids > self.scratch_slot)).any()):
