@@ -64,3 +64,14 @@ def test_slow_device_with_tiny_queue_delivers_everything():
     with LLM("tiny-llama", runtime_queue_depth=1, device_time_ms=5, async_scheduling=True) as llm:
         outputs = llm.generate([[5 + i, 6] for i in range(6)], SamplingParams(max_tokens=12, ignore_eos=True))
     assert [len(o.output_token_ids) for o in outputs] == [12] * 6
+
+
+def test_host_sampling_gives_the_device_sampler_tokens():
+    """on_device_sampling=False (sync only): logits come back and the same pure sampler runs on the host."""
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_k=50, seed=3)
+    runs = []
+    for on_device in (True, False):
+        with LLM("tiny-llama", device="cpu-inprocess", async_scheduling=False, on_device_sampling=on_device,
+                 dtype="float64") as llm:  # fmt: skip
+            runs.append([o.output_token_ids for o in llm.generate([[5, 6, 7], [8, 9]], params)])
+    assert runs[0] == runs[1]

@@ -12,16 +12,19 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
+import torch
+
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.engine.executor import Executor
-from neuron_async_sm.model import ModelSpec, build_step_program, load_model_config
+from neuron_async_sm.model import ModelSpec, StepProgram, build_step_program, load_model_config
 from neuron_async_sm.outputs import ModelRunnerOutput, RequestDelta, SchedulerOutput
 from neuron_async_sm.request import Request
 from neuron_async_sm.runtime import create_runtime
 from neuron_async_sm.sampling_params import SamplingParams
 from neuron_async_sm.scheduler import Scheduler
 from neuron_async_sm.trace import Tracer
-from neuron_async_sm.worker.model_runner import STEP_PROGRAM, ModelRunner
+from neuron_async_sm.worker.model_input import logits_dtype
+from neuron_async_sm.worker.model_runner import LOGITS_PROGRAM, STEP_PROGRAM, ModelRunner
 
 logger = logging.getLogger("neuron_async_sm")
 
@@ -37,7 +40,19 @@ class StepProgramFactory:
         self.spec = spec
 
     def __call__(self) -> dict:
-        return {STEP_PROGRAM: build_step_program(self.spec)}
+        program = build_step_program(self.spec)
+        return {STEP_PROGRAM: program, LOGITS_PROGRAM: LogitsProgram(program)}
+
+
+class LogitsProgram:
+    """Forward without sampling, for host-side sampling (`on_device_sampling=False`, sync mode)."""
+
+    def __init__(self, program: StepProgram) -> None:
+        self.program = program
+
+    def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
+        logits = self.program.forward_logits(**inputs)
+        return logits.to(logits_dtype(self.program.spec.dtype))
 
 
 class EngineCore:
@@ -55,7 +70,9 @@ class EngineCore:
             device_time_ms=config.device_time_ms,
             num_threads=config.device_threads,
         )
-        self.runner = ModelRunner(config, self.runtime, rank=0, tracer=self.tracer)
+        self.runner = ModelRunner(
+            config, self.runtime, vocab_size=self.model_config.vocab_size, rank=0, tracer=self.tracer
+        )
         self.executor = Executor([self.runner], output_rank=0, async_output=config.async_scheduling)
         self.scheduler = Scheduler(
             config, eos_token_ids=self.model_config.eos_token_ids, vocab_size=self.model_config.vocab_size

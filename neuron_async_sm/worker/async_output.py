@@ -6,6 +6,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from neuron_async_sm.outputs import ModelRunnerOutput
 from neuron_async_sm.runtime import DeviceFuture
 from neuron_async_sm.trace import Tracer
@@ -38,8 +40,11 @@ class AsyncModelRunnerOutput:
         future: DeviceFuture,
         write_back: Callable[[StepSnapshot, list[int]], None],
         tracer: Tracer = Tracer.NONE,
+        host_sampler: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.snapshot = snapshot
+        # None: the future holds sampled token ids. Otherwise it holds logits sampled on the host.
+        self._host_sampler = host_sampler
         self._future: DeviceFuture | None = future
         self._write_back = write_back
         self._tracer = tracer
@@ -72,6 +77,8 @@ class AsyncModelRunnerOutput:
         assert self._future is not None
         try:
             host = self._future.to_host()  # blocks until the program ran; re-raises its error
+            if self._host_sampler is not None:
+                host = self._host_sampler(host)
             tokens = [int(t) for t in host[: len(self.snapshot.req_ids)].tolist()]
             self._write_back(self.snapshot, tokens)
             self._result = ModelRunnerOutput(self.snapshot.step_id, list(self.snapshot.req_ids), tokens)

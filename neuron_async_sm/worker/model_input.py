@@ -7,9 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from neuron_async_sm.config import EngineConfig
+from neuron_async_sm.model import sample_tokens
 from neuron_async_sm.outputs import SchedulerOutput
 from neuron_async_sm.worker.input_batch import CachedRequestState
 
+_FORWARD_INPUTS = ("input_ids", "positions", "query_lens", "slot_ids")
 INPUT_IDS_DTYPE = torch.int32
 SAMPLED_DTYPE = torch.int32  # the program's output; it must equal INPUT_IDS_DTYPE to feed the next step
 
@@ -48,6 +50,22 @@ class ModelInput:
             "seeds": self.seeds,
             "output_index": self.output_index,
         }
+
+    def forward_inputs(self) -> dict[str, object]:
+        """Inputs of the logits-only program (host sampling)."""
+        return {k: v for k, v in self.program_inputs().items() if k in _FORWARD_INPUTS}
+
+    def sample_on_host(self, logits: torch.Tensor) -> torch.Tensor:
+        """Host sampling: the same pure sampler the device runs, on logits [B, vocab]."""
+        return sample_tokens(
+            logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            seeds=self.seeds, output_index=self.output_index,
+        )  # fmt: skip
+
+
+def logits_dtype(dtype: str) -> torch.dtype:
+    """dtype of the logits program's output: float64 models keep float64, others give float32."""
+    return torch.float64 if dtype == "float64" else torch.float32
 
 
 def is_decode_step(scheduled: SchedulerOutput, prompt_lens: dict[str, int]) -> bool:

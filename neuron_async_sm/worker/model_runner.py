@@ -25,10 +25,12 @@ from neuron_async_sm.worker.model_input import (
     ModelInput,
     build_model_input,
     is_decode_step,
+    logits_dtype,
     padded_input_shape,
 )
 
-STEP_PROGRAM = "model_step"
+STEP_PROGRAM = "model_step"  # forward + on-device sampling -> token ids [B] int32
+LOGITS_PROGRAM = "model_logits"  # forward only -> logits [B, vocab], sampled on the host
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class ModelRunner:
         config: EngineConfig,
         runtime: DeviceRuntime,
         *,
+        vocab_size: int,
         rank: int = 0,
         tracer: Tracer = Tracer.NONE,
     ) -> None:
@@ -64,6 +67,7 @@ class ModelRunner:
         self.rank = rank
         self.tracer = tracer
         self.use_async_scheduling = config.async_scheduling
+        self.vocab_size = vocab_size
         self.batch = InputBatch()
         # Guards the CPU token state against the async output thread's write-back. Lock order: an
         # output's lock may be held while taking this one, never the reverse (no deadlock).
@@ -89,11 +93,12 @@ class ModelRunner:
         if path is not None:
             assert model_input.req_ids == self._step_req_ids, "row order differs from the observed order"
         input_ids = self._async_input_ids(path, model_input)
-        future = self.runtime.enqueue(
-            STEP_PROGRAM,
-            model_input.program_inputs(input_ids),
-            TensorSpec((model_input.num_rows,), SAMPLED_DTYPE),
-        )
+        if self.config.on_device_sampling:
+            out = TensorSpec((model_input.num_rows,), SAMPLED_DTYPE)
+            future = self.runtime.enqueue(STEP_PROGRAM, model_input.program_inputs(input_ids), out)
+        else:  # sync mode only (config validation): the program returns logits
+            out = TensorSpec((model_input.num_rows, self.vocab_size), logits_dtype(self.config.dtype))
+            future = self.runtime.enqueue(LOGITS_PROGRAM, model_input.forward_inputs(), out)
         self._executed = ExecutedStep(scheduled, model_input, future, path)
 
     def sample_tokens(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
@@ -102,7 +107,8 @@ class ModelRunner:
         assert executed is not None, "sample_tokens() without execute_model()"
         model_input = executed.model_input
         snapshot = StepSnapshot(executed.scheduled.step_id, model_input.req_ids, model_input.sample_positions)
-        output = AsyncModelRunnerOutput(snapshot, executed.future, self._write_back, self.tracer)
+        host_sampler = None if self.config.on_device_sampling else model_input.sample_on_host
+        output = AsyncModelRunnerOutput(snapshot, executed.future, self._write_back, self.tracer, host_sampler)
         if not self.use_async_scheduling:
             return output.get_output()  # Normal Flow: block on the host copy
         # Reinstate: whatever path this step took, the next one can go async again.
@@ -190,7 +196,7 @@ class ModelRunner:
     def _write_back(self, snapshot: StepSnapshot, tokens: list[int]) -> None:
         """Write sampled tokens into CPU state by the snapshot's request ids (never by current row)."""
         with self._state_lock:
-            for req_id, position, token in zip(snapshot.req_ids, snapshot.sample_positions, tokens):
+            for req_id, position, token in zip(snapshot.req_ids, snapshot.sample_positions, tokens, strict=True):
                 state = self.batch.requests.get(req_id)
                 if state is not None and position is not None:
                     state.write_token(position, token)
