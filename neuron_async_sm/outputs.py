@@ -57,7 +57,7 @@ class ModelRunnerOutput:
         return self.sampled_token_ids[self.req_ids.index(request_id)]
 
     def by_request(self) -> dict[str, int]:
-        return dict(zip(self.req_ids, self.sampled_token_ids))
+        return dict(zip(self.req_ids, self.sampled_token_ids, strict=True))
 
 
 @dataclass
