@@ -14,6 +14,7 @@ from neuron_async_sm.config import DEVICES, DTYPES, ConfigError, EngineConfig
 from neuron_async_sm.engine.llm import LLM, PromptRequest
 from neuron_async_sm.model import ModelLoadError, tokenizer_path
 from neuron_async_sm.outputs import RequestOutput
+from neuron_async_sm.runtime import DeviceStartupError
 from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
 
 REQUEST_FIELDS = {
@@ -111,14 +112,21 @@ def run_generate(args: argparse.Namespace) -> int:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(path)
-    lines = [ln for ln in Path(args.prompts).read_text(encoding="utf-8").splitlines() if ln.strip()]
     parsed: list[PromptRequest | RequestOutput] = []
-    for i, line in enumerate(lines):
+    seen_ids: set[str] = set()
+    for i, line in enumerate(Path(args.prompts).read_text(encoding="utf-8").splitlines()):
+        if not line.strip():
+            continue  # blank lines are skipped, but still counted so "line N" matches the file
         try:
             request = parse_request_line(line, i, tokenizer)
             if request.request_id is None:
                 request = PromptRequest(request.prompt_token_ids, request.sampling_params, f"line-{i + 1}",
                                         request.arrival_step)  # fmt: skip
+            # Checked here, not only by the engine: the engine forgets finished ids, so a repeat that
+            # arrives later would be accepted and its output merged with the first one's.
+            if request.request_id in seen_ids:
+                raise InvalidRequestError(f"request_id: duplicate request id {request.request_id!r}")
+            seen_ids.add(request.request_id)
             parsed.append(request)
         except (InvalidRequestError, TypeError) as exc:
             parsed.append(RequestOutput(f"line-{i + 1}", [], [], True, "error", str(exc)))
@@ -211,8 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return args.func(args)
-    except (ConfigError, ModelLoadError, FileNotFoundError) as exc:
+    except (ConfigError, ModelLoadError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except DeviceStartupError as exc:
+        # The model is loaded inside the device; its message ends with the device-side traceback,
+        # whose last line is the cause (e.g. "ModelLoadError: model directory X has no checkpoint").
+        cause = [ln for ln in str(exc).splitlines() if ln.strip()][-1:] or ["unknown cause"]
+        print(f"error: the device failed to start: {cause[0]}", file=sys.stderr)
         return 2
 
 

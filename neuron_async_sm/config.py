@@ -44,8 +44,8 @@ class EngineConfig:
     trace_path: str | None = None  # NDJSON trace of machine transitions and materializations
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "decode_buckets", tuple(sorted(set(self.decode_buckets))))
-        object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
+        object.__setattr__(self, "decode_buckets", _buckets("decode_buckets", self.decode_buckets))
+        object.__setattr__(self, "prefill_buckets", _buckets("prefill_buckets", self.prefill_buckets))
         if self.device not in DEVICES:
             raise ConfigError(f"device: unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
         if self.dtype not in DTYPES:
@@ -55,17 +55,15 @@ class EngineConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("runtime_queue_depth", self.runtime_queue_depth)
         _positive("device_threads", self.device_threads)
-        if self.device_time_ms < 0:
+        if not isinstance(self.device_time_ms, (int, float)) or isinstance(self.device_time_ms, bool):
+            raise ConfigError(f"device_time_ms: must be a number, got {self.device_time_ms!r}")
+        if not self.device_time_ms >= 0:  # also rejects NaN
             raise ConfigError(f"device_time_ms: must be >= 0, got {self.device_time_ms}")
-        if not self.decode_buckets or min(self.decode_buckets) < 1:
-            raise ConfigError(f"decode_buckets: need positive sizes, got {self.decode_buckets}")
         if max(self.decode_buckets) < self.max_num_seqs:
             raise ConfigError(
                 f"decode_buckets: largest bucket {max(self.decode_buckets)} does not cover "
                 f"max_num_seqs={self.max_num_seqs}; add a bucket >= {self.max_num_seqs}"
             )
-        if not self.prefill_buckets or min(self.prefill_buckets) < 1:
-            raise ConfigError(f"prefill_buckets: need positive sizes, got {self.prefill_buckets}")
         if max(self.prefill_buckets) < self.max_num_batched_tokens:
             raise ConfigError(
                 f"prefill_buckets: largest bucket {max(self.prefill_buckets)} does not cover "
@@ -98,3 +96,12 @@ def _bucket(buckets: tuple[int, ...], n: int, name: str) -> int:
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+
+
+def _buckets(name: str, sizes: object) -> tuple[int, ...]:
+    """Sorted, deduplicated bucket sizes; ConfigError unless a non-empty collection of positive integers."""
+    ok = isinstance(sizes, (tuple, list, set, frozenset))
+    ok = ok and bool(sizes) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes)
+    if not ok:
+        raise ConfigError(f"{name}: need a non-empty list of positive integer sizes, got {sizes!r}")
+    return tuple(sorted(set(sizes)))  # type: ignore[arg-type]

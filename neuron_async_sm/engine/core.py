@@ -20,7 +20,7 @@ from neuron_async_sm.model import ModelSpec, StepProgram, build_step_program, lo
 from neuron_async_sm.outputs import ModelRunnerOutput, RequestDelta, SchedulerOutput
 from neuron_async_sm.request import Request
 from neuron_async_sm.runtime import create_runtime
-from neuron_async_sm.sampling_params import SamplingParams
+from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
 from neuron_async_sm.scheduler import Scheduler
 from neuron_async_sm.trace import Tracer
 from neuron_async_sm.worker.model_input import logits_dtype
@@ -77,7 +77,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             config, eos_token_ids=self.model_config.eos_token_ids, vocab_size=self.model_config.vocab_size
         )
-        self._seed_rng = random.Random(config.seed)
+        self._seed_base = config.seed * 1_000_003
         self._arrivals = 0
         # Async: steps enqueued on the worker whose output is not applied yet, oldest first.
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] | None = (
@@ -94,7 +94,13 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._check_alive()
-        seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**63)
+        if not isinstance(prompt_token_ids, (list, tuple)):
+            raise InvalidRequestError(f"prompt_token_ids: must be a list of integers, got {prompt_token_ids!r}")
+        # An unseeded request's seed depends only on the engine seed and how many requests were
+        # accepted before it: a rejected request shifts nobody's tokens.
+        seed = params.seed
+        if seed is None:
+            seed = random.Random(self._seed_base + self._arrivals).randrange(2**63)
         request = Request(request_id, list(prompt_token_ids), params, seed, self._arrivals)
         self.scheduler.add_request(request)  # validates; raises InvalidRequestError
         self._arrivals += 1

@@ -100,9 +100,17 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run requests to completion; outputs in input order."""
         normalized = [self._as_request(r, sampling_params, i) for i, r in enumerate(requests)]
-        results = {r.request_id: RequestOutput(r.request_id, r.prompt_token_ids) for r in normalized}
+        results: dict[str, RequestOutput] = {}
+        rejected: dict[int, RequestOutput] = {}
+        for i, r in enumerate(normalized):
+            if r.request_id in results:  # results are keyed by id: a duplicate would merge into the first
+                rejected[i] = RequestOutput(r.request_id, r.prompt_token_ids, [], True, "error",
+                                            f"request_id: duplicate request id {r.request_id!r}")  # fmt: skip
+            else:
+                results[r.request_id] = RequestOutput(r.request_id, r.prompt_token_ids)
         progress = _progress(len(normalized)) if use_tqdm else None
-        for delta in self.stream(normalized):
+        accepted = [r for i, r in enumerate(normalized) if i not in rejected]
+        for delta in self.stream(accepted):
             result = results[delta.request_id]
             result.output_token_ids.extend(delta.output_token_ids)
             if delta.finished:
@@ -112,7 +120,7 @@ class LLM:
                     progress.set_postfix(tok_s=f"{self.engine.stats()['tokens_per_s']:.0f}")
         if progress is not None:
             progress.close()
-        return [results[r.request_id] for r in normalized]
+        return [rejected.get(i) or results[r.request_id] for i, r in enumerate(normalized)]
 
     def _as_request(
         self, request: PromptRequest | list[int], params: SamplingParams | None, index: int
