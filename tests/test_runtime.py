@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,7 @@ from neuron_async_sm.runtime import (
     TensorSpec,
     create_runtime,
 )
-from neuron_async_sm.runtime.testing import Gate, ToyPrograms
+from neuron_async_sm.runtime.testing import Gate, ToyPrograms, in_thread
 
 BACKENDS = ["cpu", "cpu-inprocess"]
 I32 = TensorSpec((4,), torch.int32)
@@ -46,29 +46,11 @@ def x4() -> torch.Tensor:
     return torch.tensor([1, 2, 3, 4], dtype=torch.int32)  # [4]
 
 
-def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
-    """Run ``fn`` on a daemon thread; its result or exception lands in the returned list."""
-    box: list[object] = []
-
-    def target() -> None:
-        try:
-            box.append(fn())
-        except BaseException as exc:
-            box.append(exc)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, box
-
-
 def test_programs_execute_in_enqueue_order(rt: DeviceRuntime) -> None:
-    first = rt.enqueue("stamp", {"x": x4()}, STAMP)
-    delays = [0.03, 0.02, 0.01, 0.0]
-    futures = [first]
-    for delay in delays:
-        slow = rt.enqueue("sleep", {"x": x4(), "seconds": torch.tensor(delay)}, I32)
-        futures.append(rt.enqueue("stamp", {"x": slow}, STAMP))
-    stamps = [int(f.to_host()[0]) for f in reversed(futures)][::-1]
+    # Independent programs, the slowest first: only in-order execution finishes them in this order.
+    delays = [0.04, 0.03, 0.02, 0.01, 0.0]
+    futures = [rt.enqueue("stamp", {"x": x4(), "seconds": torch.tensor(d)}, STAMP) for d in delays]
+    stamps = [int(f.to_host()[0]) for f in reversed(futures)][::-1]  # fetch order must not matter
     assert stamps == list(range(stamps[0], stamps[0] + len(futures)))
 
 
@@ -132,10 +114,8 @@ def test_program_error_reaches_to_host_and_dependents(rt: DeviceRuntime) -> None
         assert f"program '{name}'" in message and "not run" in message
         assert message.count("boom") == 1 and "program 'fail'" in message  # the root cause, once
     assert healthy.to_host().tolist() == [2, 3, 4, 5]
-    transfers = rt.stats().host_transfers
     with pytest.raises(DeviceProgramError, match="boom"):
-        failed.to_host()  # the failure is cached: no second fetch
-    assert rt.stats().host_transfers == transfers
+        failed.to_host()  # raises again on every read
     assert rt.stats().programs_failed == 3
 
 

@@ -123,9 +123,7 @@ class DeviceRuntime(ABC):
     def queue_depth(self) -> int: ...
 
     @abstractmethod
-    def enqueue(
-        self, program: str, inputs: Mapping[str, torch.Tensor | DeviceFuture], out: TensorSpec
-    ) -> DeviceFuture:
+    def enqueue(self, program: str, inputs: Mapping[str, torch.Tensor | DeviceFuture], out: TensorSpec) -> DeviceFuture:
         """Enqueue ``program(**inputs)`` and return the future of its output.
 
         Host tensors are copied at enqueue time; a ``DeviceFuture`` input is

@@ -27,7 +27,7 @@ class RuntimeConfig:
 
     device: DeviceKind
     queue_depth: int = 32  # unfinished programs allowed before enqueue blocks
-    device_time_ms: float = 0.0  # each program is held on the device at least this long
+    device_time_ms: float = 0.0  # each successful program holds the device at least this long
     num_threads: int = 1  # torch intra-op threads of the device process (PROCESS only)
     close_grace_s: float = 1.0  # how long close() waits for the device before forcing it down
     recent_times_kept: int = 1024  # per-program device times kept for medians

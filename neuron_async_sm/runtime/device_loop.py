@@ -93,10 +93,13 @@ class DeviceLoop:
             while True:
                 message = pending.popleft() if pending else channel.recv(block=True)
                 # Read ahead what is already queued so a Shutdown behind queued programs stops
-                # the device now, not after the backlog (close() must not wait for it).
+                # the device now, not after the backlog (close() must not wait for it). Only
+                # Shutdown skips the line; everything else keeps its place in `pending`.
                 while (ahead := channel.recv(block=False)) is not None:
+                    if isinstance(ahead, Shutdown):
+                        return
                     pending.append(ahead)
-                if isinstance(message, Shutdown) or any(isinstance(m, Shutdown) for m in pending):
+                if isinstance(message, Shutdown):
                     return
                 reply = self._handle(message)
                 if reply is not None:
@@ -170,6 +173,4 @@ def _check_output(out: object, message: RunProgram) -> None:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"returned {type(out).__name__}, expected a tensor")
     if tuple(out.shape) != message.out_shape or out.dtype != message.out_dtype:
-        raise TypeError(
-            f"returned {out.dtype}{list(out.shape)}, expected {message.out_dtype}{list(message.out_shape)}"
-        )
+        raise TypeError(f"returned {out.dtype}{list(out.shape)}, expected {message.out_dtype}{list(message.out_shape)}")

@@ -45,14 +45,22 @@ class HostFuture(DeviceFuture):
         self._copy = HostCopy.NONE
         self._value: torch.Tensor | None = None  # [*spec.shape], valid when _copy is VALUE
         self._error = ""  # valid when _copy is ERROR
-        self.released = False  # written only under the owner's send lock (see mark_released)
+        self._released = False  # written only under the owner's send lock (see mark_released)
 
     def __repr__(self) -> str:
-        return f"HostFuture(#{self._id}, {self._spec}, {self._copy.value}, released={self.released})"
+        return f"HostFuture(#{self._id}, {self._spec}, {self._copy.value}, released={self._released})"
 
     @property
     def future_id(self) -> int:
         return self._id
+
+    @property
+    def owner(self) -> FutureOwner:
+        return self._owner
+
+    @property
+    def released(self) -> bool:
+        return self._released
 
     @property
     def spec(self) -> TensorSpec:
@@ -71,7 +79,7 @@ class HostFuture(DeviceFuture):
                 return self._value
             if self._copy is HostCopy.ERROR:
                 raise DeviceProgramError(self._error)
-            if self.released:
+            if self._released:
                 raise RuntimeError(f"{self!r} was released before it was read")
             try:
                 value = self._owner.fetch(self._id)
@@ -91,12 +99,12 @@ class HostFuture(DeviceFuture):
 
     def mark_released(self) -> bool:
         """Flag the future released; False if it already was. Caller holds the owner's send lock."""
-        if self.released:
+        if self._released:
             return False
-        self.released = True
+        self._released = True
         return True
 
     def __del__(self) -> None:
         # getattr: __del__ also runs on a future whose __init__ raised.
-        if not getattr(self, "released", True):
+        if not getattr(self, "_released", True):
             self._owner.defer_release(self._id)

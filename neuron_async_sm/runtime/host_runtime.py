@@ -106,9 +106,7 @@ class HostRuntime(DeviceRuntime):
         """The device process id (fault tests kill it); None for the in-process backend."""
         return self._channel.pid
 
-    def enqueue(
-        self, program: str, inputs: Mapping[str, torch.Tensor | DeviceFuture], out: TensorSpec
-    ) -> DeviceFuture:
+    def enqueue(self, program: str, inputs: Mapping[str, torch.Tensor | DeviceFuture], out: TensorSpec) -> DeviceFuture:
         if program not in self._programs:
             raise ValueError(f"unknown program {program!r}; this device has {sorted(self._programs)}")
         wire = {name: self._wire_input(name, value) for name, value in inputs.items()}
@@ -171,10 +169,11 @@ class HostRuntime(DeviceRuntime):
                 pass  # already gone
             finally:
                 self._send_lock.release()
-        self._channel.stop(grace)
+        stopped = self._channel.stop(grace)
         # Fail the waiters here as well: a device thread stuck in a program never reaches EOF.
         self._device_gone(self._down_reason)
-        self._receiver.join(grace)
+        if stopped:
+            self._receiver.join(grace)  # it sees EOF at once; an abandoned device thread never sends it
         self._deferred_releases.clear()
 
     # ---- FutureOwner (called by HostFuture) ------------------------------------------------------
@@ -213,7 +212,7 @@ class HostRuntime(DeviceRuntime):
 
     def _wire_input(self, name: str, value: torch.Tensor | DeviceFuture) -> ProgramInput:
         if isinstance(value, HostFuture):
-            if value._owner is not self:
+            if value.owner is not self:
                 raise ValueError(f"input {name!r}: {value!r} belongs to another runtime")
             return FutureRef(value.future_id)  # device-to-device: the host never sees the value
         if isinstance(value, torch.Tensor):
@@ -278,10 +277,10 @@ class HostRuntime(DeviceRuntime):
         self._stats.program_done(message.device_time_s, message.error is not None, message.live_futures)
         with self._state_cv:
             finished = self._unfinished.pop(message.seq, None)
+            if finished is not None:
+                finished.set()  # before the slot is freed: whoever takes the slot sees this program done
             self._slots_in_use -= 1
             self._state_cv.notify()  # one slot freed: wake one blocked enqueue
-        if finished is not None:
-            finished.set()
 
     def _on_fetched(self, message: Fetched) -> None:
         with self._state_cv:
@@ -299,10 +298,10 @@ class HostRuntime(DeviceRuntime):
             if self._state is RuntimeState.RUNNING:
                 self._state, self._down_reason = RuntimeState.LOST, reason
             text = f"device runtime is {self._state.value}: {self._down_reason}"
-            unfinished, self._unfinished = self._unfinished, {}
+            for finished in self._unfinished.values():
+                finished.set()
+            self._unfinished.clear()
             fetches, self._fetches = self._fetches, {}
             self._state_cv.notify_all()
-        for finished in unfinished.values():
-            finished.set()
         for reply in fetches.values():
             reply.set_exception(DeviceLostError(text))

@@ -7,8 +7,9 @@ primitive, a path can be chosen per test and sent as an ordinary input.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,7 @@ class ToyPrograms:
     - ``add_one(x) = x + 1``, ``add(a, b) = a + b``
     - ``gated(x, gate) = x + 0`` once the ``Gate`` is open
     - ``sleep(x, seconds) = x + 0`` after sleeping ``seconds``
-    - ``stamp(x) = [n]`` (int64), n-th stamp call on this device: witnesses execution order
+    - ``stamp(x, seconds) = [n]`` (int64) after sleeping: the n-th stamp to finish on this device
     - ``fail(x)`` raises ValueError; ``crash(x)`` raises SystemExit (kills the device loop)
     """
 
@@ -65,7 +66,8 @@ class ToyPrograms:
             time.sleep(float(seconds))
             return x + 0
 
-        def stamp(x: torch.Tensor) -> torch.Tensor:
+        def stamp(x: torch.Tensor, seconds: torch.Tensor) -> torch.Tensor:
+            time.sleep(float(seconds))
             stamps[0] += 1
             return torch.tensor([stamps[0]], dtype=torch.int64)
 
@@ -84,3 +86,22 @@ class ToyPrograms:
             "fail": fail,
             "crash": crash,
         }
+
+
+def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    """Run ``fn`` on a daemon thread; its result or the exception it raised lands in the list.
+
+    For tests that must observe a call blocking (join with a timeout, check ``is_alive``)
+    without risking a hung test run.
+    """
+    box: list[object] = []
+
+    def target() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:
+            box.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, box

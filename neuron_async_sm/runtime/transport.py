@@ -14,6 +14,7 @@ import queue
 import signal
 import sys
 import threading
+import traceback
 from abc import ABC, abstractmethod
 
 import torch
@@ -37,8 +38,11 @@ class HostChannel(ABC):
         """Block for the next message; raises EOFError (or OSError) when the device is gone."""
 
     @abstractmethod
-    def stop(self, grace_s: float) -> None:
-        """Wait up to ``grace_s`` for the device to exit after Shutdown, then force it (idempotent)."""
+    def stop(self, grace_s: float) -> bool:
+        """Wait up to ``grace_s`` for the device to exit after Shutdown, then force it (idempotent).
+
+        Returns whether the device is down (False: a device thread stuck in a program was abandoned).
+        """
 
     @abstractmethod
     def describe_exit(self) -> str:
@@ -78,13 +82,20 @@ def _device_process_main(
     # Ctrl-C reaches the whole process group; the host decides when the device stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(num_threads)
-    DeviceLoop(device_time_ms).serve(_PipeDeviceEnd(conn), factory)
-    conn.close()
-    # Skip interpreter teardown (~0.4 s with torch loaded): device memory dies with the process
-    # and nothing else is left to flush, so close() returns promptly.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    code = 0
+    try:
+        DeviceLoop(device_time_ms).serve(_PipeDeviceEnd(conn), factory)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        # Exit without interpreter teardown (~0.4 s with torch loaded): device memory dies with the
+        # process and nothing else needs flushing, so close() and loss detection stay prompt.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 class ProcessChannel(HostChannel):
@@ -126,7 +137,7 @@ class ProcessChannel(HostChannel):
     def recv(self) -> DeviceMessage:
         return self._conn.recv()
 
-    def stop(self, grace_s: float) -> None:
+    def stop(self, grace_s: float) -> bool:
         with self._reap_lock:
             self._process.join(grace_s)
             if self._process.is_alive():
@@ -135,11 +146,13 @@ class ProcessChannel(HostChannel):
             if self._process.is_alive():
                 self._process.kill()
                 self._process.join(1.0)
+            stopped = not self._process.is_alive()
         self._conn.close()
+        return stopped
 
     def describe_exit(self) -> str:
         with self._reap_lock:
-            self._process.join(0.5)  # reap it so the exit code is known
+            self._process.join(2.0)  # reap it so the exit code is known (EOF can precede the exit)
         code = self._process.exitcode
         if code is None:
             return f"lost the channel to device process {self._process.pid}"
@@ -206,9 +219,10 @@ class ThreadChannel(HostChannel):
             raise EOFError(self._exit_reason)
         return message  # type: ignore[return-value]
 
-    def stop(self, grace_s: float) -> None:
+    def stop(self, grace_s: float) -> bool:
         # A thread cannot be killed: one stuck in a program is abandoned (it is a daemon).
         self._thread.join(grace_s)
+        return not self._thread.is_alive()
 
     def describe_exit(self) -> str:
         return self._exit_reason
