@@ -27,7 +27,6 @@ class CachedRequestState:
     # Prompt plus materialized outputs. In async mode the newest tokens may still live only in a
     # device future; they are written here by request id when their step is materialized.
     token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -184,8 +184,6 @@ class ModelRunner:
         ]
         with self._state_lock:
             self.batch.update(scheduled.finished_req_ids, added)
-            for req_id, computed in scheduled.num_computed_tokens.items():
-                self.batch.requests[req_id].num_computed_tokens = computed
 
     def _prepare_model_input(self, scheduled: SchedulerOutput) -> ModelInput:
         with self._state_lock:
