@@ -276,7 +276,7 @@ class HostRuntime(DeviceRuntime):
     def _on_program_done(self, message: ProgramDone) -> None:
         self._stats.program_done(message.device_time_s, message.error is not None, message.live_futures)
         with self._state_cv:
-            finished = self._unfinished.pop(message.seq, None)
+            finished = self._unfinished.pop(message.seq, None)  # None: close() already released it
             if finished is not None:
                 finished.set()  # before the slot is freed: whoever takes the slot sees this program done
             self._slots_in_use -= 1
@@ -286,7 +286,7 @@ class HostRuntime(DeviceRuntime):
         with self._state_cv:
             reply = self._fetches.pop(message.request_id, None)
         if reply is None:
-            return
+            return  # close() already failed this waiter with DeviceLostError
         if message.value is not None:
             reply.set_result(message.value)
         else:
