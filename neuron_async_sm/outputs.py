@@ -35,10 +35,9 @@ class SchedulerOutput:
     # Requests whose row samples a real output token this step (prefill complete); a partial
     # prefill chunk's sampled token is discarded.
     sampling_req_ids: frozenset[str]
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
+    # Every scheduled request computes exactly one token past its prompt (a decode step): the
+    # program input is 1-D and may be the previous step's sampled-token future.
+    all_decode: bool
 
     @property
     def is_empty(self) -> bool:
@@ -52,9 +51,6 @@ class ModelRunnerOutput:
     step_id: int
     req_ids: list[str]  # row order of the step's program (the snapshot)
     sampled_token_ids: list[int]  # [num_reqs], row i belongs to req_ids[i]
-
-    def token_for(self, request_id: str) -> int:
-        return self.sampled_token_ids[self.req_ids.index(request_id)]
 
     def by_request(self) -> dict[str, int]:
         return dict(zip(self.req_ids, self.sampled_token_ids, strict=True))

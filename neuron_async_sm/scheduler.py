@@ -88,10 +88,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # -- scheduling ---------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -128,9 +124,11 @@ class Scheduler:
             )
 
         sampling: set[str] = set()
+        all_decode = True
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
             num_computed[req_id] = request.num_computed_tokens
+            all_decode = all_decode and n == 1 and request.num_computed_tokens >= request.num_prompt_tokens
             request.num_computed_tokens += n
             self._in_flight_steps[req_id] += 1
             if request.num_computed_tokens >= request.num_prompt_tokens:
@@ -142,7 +140,7 @@ class Scheduler:
         if not num_scheduled:
             # Nothing to run (e.g. every request waits on an in-flight token): keep the finished ids
             # for the next step that reaches the worker.
-            return SchedulerOutput(self._next_step_id, {}, {}, [], frozenset(), frozenset())
+            return SchedulerOutput(self._next_step_id, {}, {}, [], frozenset(), frozenset(), False)
         output = SchedulerOutput(
             step_id=self._next_step_id,
             num_scheduled_tokens=num_scheduled,
@@ -150,6 +148,7 @@ class Scheduler:
             scheduled_new_reqs=new_reqs,
             finished_req_ids=frozenset(self._finished_since_schedule),
             sampling_req_ids=frozenset(sampling),
+            all_decode=all_decode,
         )
         self._next_step_id += 1
         self._finished_since_schedule.clear()

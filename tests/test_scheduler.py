@@ -145,3 +145,16 @@ def test_duplicate_request_id_is_rejected():
     add(s, "a")
     with pytest.raises(InvalidRequestError, match="request_id"):
         add(s, "a")
+
+
+def test_all_decode_only_when_every_row_decodes_one_token():
+    s = make(max_num_batched_tokens=16)
+    add(s, "a", 4, max_tokens=5)
+    so = s.schedule()
+    assert not so.all_decode  # prefill
+    run(s, so)
+    so = s.schedule()
+    assert so.all_decode
+    run(s, so)
+    add(s, "b", 1, max_tokens=5)  # a one-token prompt is still a prefill
+    assert not s.schedule().all_decode

@@ -87,8 +87,8 @@ class EngineCore:
         self.dead_reason: str | None = None
         self.num_steps = 0  # forward steps enqueued
         self.num_output_tokens = 0
-        self._started = time.perf_counter()
-        self._last_log = self._started
+        self._busy_s = 0.0  # time inside run_step(): tokens/s is not diluted by a client's idle time
+        self._last_log = time.perf_counter()
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -121,6 +121,7 @@ class EngineCore:
         self.num_steps += 1
         self.executor.execute_model(scheduled)
         output = self.executor.sample_tokens()
+        assert isinstance(output, ModelRunnerOutput)
         return self.scheduler.update_from_output(scheduled, output)
 
     def step_with_batch_queue(self) -> list[RequestDelta]:
@@ -148,10 +149,13 @@ class EngineCore:
     def run_step(self) -> list[RequestDelta]:
         """One turn of the loop; a failure ends every in-flight request with an error, never hangs."""
         self._check_alive()
+        started = time.perf_counter()
         try:
             deltas = self.step_fn()
         except Exception as exc:  # the device or the output thread failed
             return self._die(exc)
+        finally:
+            self._busy_s += time.perf_counter() - started
         self.num_output_tokens += sum(len(d.new_token_ids) for d in deltas)
         self._maybe_log_stats()
         return deltas
@@ -177,7 +181,7 @@ class EngineCore:
             raise EngineDeadError(f"engine is dead: {self.dead_reason}; create a new LLM")
 
     def stats(self) -> dict:
-        elapsed = time.perf_counter() - self._started
+        elapsed = self._busy_s
         stats = {
             "async_scheduling": self.config.async_scheduling,
             "steps": self.num_steps,

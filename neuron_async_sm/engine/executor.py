@@ -38,19 +38,16 @@ class Executor:
         for runner in self.runners:
             runner.execute_model(scheduled)
 
-    def sample_tokens(self) -> ModelRunnerOutput:
-        """Synchronous mode: the output rank's materialized tokens."""
+    def sample_tokens(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Sample on every rank; the output rank's result (sync: tokens; async: still a future)."""
         outputs = [runner.sample_tokens() for runner in self.runners]
-        output = outputs[self.output_rank]
-        assert isinstance(output, ModelRunnerOutput)
-        return output
+        return outputs[self.output_rank]
 
     def execute_model_async(self, scheduled: SchedulerOutput) -> Future[ModelRunnerOutput]:
         """Async mode: enqueue the step on every rank; a Future resolved by the async output thread."""
         assert self._output_queue is not None, "executor was built without the async output thread"
         self.execute_model(scheduled)
-        outputs = [runner.sample_tokens() for runner in self.runners]
-        output = outputs[self.output_rank]
+        output = self.sample_tokens()
         assert isinstance(output, AsyncModelRunnerOutput)
         result: Future[ModelRunnerOutput] = Future()
         self._output_queue.put((output, result))

@@ -52,15 +52,10 @@ class AsyncModelRunnerOutput:
         self._result: ModelRunnerOutput | None = None
         self._error: BaseException | None = None
         self.materialize_count = 0  # how many times the transfer + write-back ran (must stay <= 1)
-        self.materialized_by: str | None = None
 
     @property
     def step_id(self) -> int:
         return self.snapshot.step_id
-
-    @property
-    def is_materialized(self) -> bool:
-        return self._result is not None or self._error is not None
 
     def get_output(self) -> ModelRunnerOutput:
         # Hazard: double materialization. Without the lock both threads could transfer and write the
@@ -88,7 +83,6 @@ class AsyncModelRunnerOutput:
             # Only our reference goes: the buffer still holds the future while a program may read it.
             self._future = None
             self.materialize_count += 1
-            self.materialized_by = threading.current_thread().name
             self._tracer.event(
                 "Materialize",
                 step=self.snapshot.step_id,

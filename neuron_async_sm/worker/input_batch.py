@@ -93,9 +93,3 @@ class InputBatch:
     def preview_order(self, removed: frozenset[str], added: list[str]) -> list[str]:
         """The row order `update()` would produce, without changing anything."""
         return next_row_order(self.req_ids, frozenset(r for r in removed if r in self.requests), added)
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self.requests

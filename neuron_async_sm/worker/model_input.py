@@ -68,22 +68,14 @@ def logits_dtype(dtype: str) -> torch.dtype:
     return torch.float64 if dtype == "float64" else torch.float32
 
 
-def is_decode_step(scheduled: SchedulerOutput, prompt_lens: dict[str, int]) -> bool:
-    """All rows compute exactly one token past their prompt."""
-    return all(
-        n == 1 and scheduled.num_computed_tokens[r] >= prompt_lens[r]
-        for r, n in scheduled.num_scheduled_tokens.items()
-    )
-
-
-def padded_input_shape(config: EngineConfig, scheduled: SchedulerOutput, is_decode: bool) -> tuple[int, ...]:
+def padded_input_shape(config: EngineConfig, scheduled: SchedulerOutput) -> tuple[int, ...]:
     """Shape of the step's input_ids: [decode bucket] for decode, [rows, prefill bucket] otherwise.
 
     A prefill step is not padded in rows, so its output is [num_reqs]; the first decode after it
     pads to a bucket, which is the shape mismatch the design describes.
     """
     num_rows = len(scheduled.num_scheduled_tokens)
-    if is_decode:
+    if scheduled.all_decode:
         return (config.decode_bucket(num_rows),)
     return (num_rows, config.prefill_bucket(max(scheduled.num_scheduled_tokens.values())))
 
@@ -92,10 +84,10 @@ def build_model_input(
     config: EngineConfig,
     scheduled: SchedulerOutput,
     rows: list[CachedRequestState],
-    is_decode: bool,
 ) -> ModelInput:
     """Inputs from CPU state. Tokens that exist only in a pending future come out as POISON_TOKEN."""
-    shape = padded_input_shape(config, scheduled, is_decode)
+    is_decode = scheduled.all_decode
+    shape = padded_input_shape(config, scheduled)
     num_padded = shape[0]
     width = 1 if is_decode else shape[1]
     scratch_slot = config.max_num_seqs

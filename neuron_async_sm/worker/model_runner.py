@@ -24,7 +24,6 @@ from neuron_async_sm.worker.model_input import (
     SAMPLED_DTYPE,
     ModelInput,
     build_model_input,
-    is_decode_step,
     logits_dtype,
     padded_input_shape,
 )
@@ -125,11 +124,6 @@ class ModelRunner:
     # -- async plan ---------------------------------------------------------------------------------
 
     def _begin_async_step(self, scheduled: SchedulerOutput) -> str:
-        prompt_lens = {n.request_id: len(n.prompt_token_ids) for n in scheduled.scheduled_new_reqs}
-        prompt_lens.update(
-            {r: s.num_prompt_tokens for r, s in self.batch.requests.items() if r in scheduled.num_scheduled_tokens}
-        )
-        is_decode = is_decode_step(scheduled, prompt_lens)
         order = self.batch.preview_order(
             scheduled.finished_req_ids, [n.request_id for n in scheduled.scheduled_new_reqs]
         )
@@ -139,10 +133,10 @@ class ModelRunner:
             has_pending=buffer is not None,
             prev_req_ids=buffer.req_ids if buffer else (),
             curr_req_ids=self._step_req_ids,
-            all_decode=is_decode,
+            all_decode=scheduled.all_decode,
             pending_shape=tuple(buffer.future.shape) if buffer else (),
             pending_dtype=str(buffer.future.dtype) if buffer else "",
-            input_shape=padded_input_shape(self.config, scheduled, is_decode),
+            input_shape=padded_input_shape(self.config, scheduled),
             input_dtype=str(SAMPLED_DTYPE),
         )
         return self.machine.begin_step(obs)
@@ -188,8 +182,7 @@ class ModelRunner:
     def _prepare_model_input(self, scheduled: SchedulerOutput) -> ModelInput:
         with self._state_lock:
             rows = [self.batch.requests[r] for r in self.batch.req_ids if r in scheduled.num_scheduled_tokens]
-            is_decode = is_decode_step(scheduled, {s.request_id: s.num_prompt_tokens for s in rows})
-            return build_model_input(self.config, scheduled, rows, is_decode)
+            return build_model_input(self.config, scheduled, rows)
 
     def _write_back(self, snapshot: StepSnapshot, tokens: list[int]) -> None:
         """Write sampled tokens into CPU state by the snapshot's request ids (never by current row)."""
