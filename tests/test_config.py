@@ -15,7 +15,6 @@ import pytest
 from neuron_async_sm import LLM, ConfigError, EngineConfig
 from neuron_async_sm.cli import main
 from neuron_async_sm.model import ModelLoadError
-from neuron_async_sm.runtime import DeviceStartupError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,12 +89,16 @@ def write_config_only_checkpoint(model_dir: Path) -> Path:
 
 def test_llm_rejects_a_directory_without_a_checkpoint(tmp_path):
     model_dir = write_config_only_checkpoint(tmp_path / "config-only")
-    # The weights are read inside the device, so today the error arrives as a DeviceStartupError
-    # carrying the ModelLoadError; either way the message names the directory and what is missing.
-    with pytest.raises((ModelLoadError, DeviceStartupError)) as info:
+    # Checked on the host before the device starts: a ModelLoadError, not a device traceback.
+    with pytest.raises(ModelLoadError) as info:
         LLM(str(model_dir), device="cpu-inprocess")
     message = str(info.value)
     assert "has no checkpoint" in message and str(model_dir) in message and "model.safetensors" in message
+
+
+def test_llm_rejects_max_model_len_beyond_the_model(tmp_path):
+    with pytest.raises(ConfigError, match="max_model_len: 8192 exceeds the model's max_position_embeddings"):
+        LLM("tiny-llama", device="cpu-inprocess", max_model_len=8192)
 
 
 def cli_error(capsys, *argv: object) -> str:

@@ -14,9 +14,18 @@ from concurrent.futures import Future
 
 import torch
 
-from neuron_async_sm.config import EngineConfig
+from neuron_async_sm.config import ConfigError, EngineConfig
 from neuron_async_sm.engine.executor import Executor
-from neuron_async_sm.model import ModelSpec, StepProgram, build_step_program, load_model_config
+from neuron_async_sm.model import (
+    TINY_LLAMA,
+    LlamaConfig,
+    ModelSpec,
+    StepProgram,
+    build_step_program,
+    load_model_config,
+)
+from neuron_async_sm.model.config import model_directory
+from neuron_async_sm.model.loader import checkpoint_path
 from neuron_async_sm.outputs import ModelRunnerOutput, RequestDelta, SchedulerOutput
 from neuron_async_sm.request import Request
 from neuron_async_sm.runtime import create_runtime
@@ -55,12 +64,24 @@ class LogitsProgram:
         return logits.to(logits_dtype(self.program.spec.dtype))
 
 
+def _check_before_device_start(config: EngineConfig, model: LlamaConfig) -> None:
+    """Errors a user can act on, raised on the host instead of from inside the device process."""
+    if config.model != TINY_LLAMA:
+        checkpoint_path(model_directory(config.model))  # raises ModelLoadError naming what is missing
+    if config.max_model_len > model.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len: {config.max_model_len} exceeds the model's max_position_embeddings "
+            f"({model.max_position_embeddings}); lower --max-model-len"
+        )
+
+
 class EngineCore:
     """Scheduler + executor + the step loop."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = load_model_config(config.model)
+        _check_before_device_start(config, self.model_config)
         self.tracer = Tracer(config.trace_path)
         spec = ModelSpec(config.model, config.dtype, config.max_num_seqs, config.max_model_len, config.seed)
         self.runtime = create_runtime(

@@ -84,18 +84,25 @@ def _init_std(name: str, shape: tuple[int, ...]) -> float:
     return 1.0 / fan_in**0.5
 
 
-def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint in `model_dir`, by HF name. Prefers safetensors over .bin."""
-    if (model_dir / SAFETENSORS).is_file():
-        return _load_file(model_dir / SAFETENSORS)
-    for index_name in (SAFETENSORS_INDEX, PYTORCH_BIN_INDEX):
-        if (model_dir / index_name).is_file():
-            return _load_sharded(model_dir, index_name)
-    if (model_dir / PYTORCH_BIN).is_file():
-        return _load_file(model_dir / PYTORCH_BIN)
+def checkpoint_path(model_dir: Path) -> Path:
+    """The checkpoint file (or shard index) in `model_dir`. Prefers safetensors over .bin.
+
+    Cheap: the host calls it before starting the device, so a missing checkpoint is a clear error.
+    """
+    for name in (SAFETENSORS, SAFETENSORS_INDEX, PYTORCH_BIN_INDEX, PYTORCH_BIN):
+        if (model_dir / name).is_file():
+            return model_dir / name
     raise ModelLoadError(
         f"model directory {model_dir} has no checkpoint: looked for {', '.join(CHECKPOINT_FILES)}"
     )
+
+
+def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint in `model_dir`, by HF name."""
+    path = checkpoint_path(model_dir)
+    if path.name in (SAFETENSORS_INDEX, PYTORCH_BIN_INDEX):
+        return _load_sharded(model_dir, path.name)
+    return _load_file(path)
 
 
 def _load_sharded(model_dir: Path, index_name: str) -> dict[str, torch.Tensor]:
