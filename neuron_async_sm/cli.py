@@ -1,4 +1,4 @@
-"""`neuron-async-sm`: generate from a JSONL file, run the demo, draw the state diagram."""
+"""`neuron-async-sm`: generate from a JSONL file, run the demo, draw the state diagram, benchmark."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from neuron_async_sm.bench.command import add_bench_parser
 from neuron_async_sm.config import DEVICES, DTYPES, ConfigError, EngineConfig
 from neuron_async_sm.engine.llm import LLM, PromptRequest
 from neuron_async_sm.model import ModelLoadError, tokenizer_path
@@ -202,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     diagram = sub.add_parser("diagram", help="draw the worker's state machine from its transition table")
     diagram.add_argument("--output", default="docs/state_machine", help="path without suffix (.dot/.svg/.png)")
     diagram.set_defaults(func=run_diagram)
+
+    add_bench_parser(sub)  # neuron_async_sm/bench/command.py
     return parser
 
 

@@ -109,16 +109,20 @@ class DeviceLoop:
 
     def _handle(self, message: HostMessage) -> DeviceMessage | None:
         if isinstance(message, RunProgram):
+            self._release(message.releases)  # a Release sent with the program, handled as if just before it
             return self._run(message)
         if isinstance(message, Fetch):
             return self._fetch(message)
         if isinstance(message, Release):
-            for future_id in message.future_ids:
-                # Freeing here is safe: every program enqueued before this Release has already
-                # run (in-order processing), so no queued program can still need this tensor.
-                self._memory.pop(future_id, None)
+            self._release(message.future_ids)
             return None
         raise TypeError(f"device loop got an unknown message {message!r}")
+
+    def _release(self, future_ids: tuple[int, ...]) -> None:
+        for future_id in future_ids:
+            # Freeing here is safe: every program enqueued before this Release has already
+            # run (in-order processing), so no queued program can still need this tensor.
+            self._memory.pop(future_id, None)
 
     def _run(self, message: RunProgram) -> ProgramDone:
         label = f"program {message.program!r} (#{message.seq})"
@@ -144,7 +148,9 @@ class DeviceLoop:
             failure = FailedValue(error, error)
         else:
             self._memory[message.seq] = out
-            return ProgramDone(message.seq, time.perf_counter() - start, None, len(self._memory))
+            elapsed = time.perf_counter() - start
+            value = WireTensor.encode(out) if message.push_output else None
+            return ProgramDone(message.seq, elapsed, None, len(self._memory), value)
         self._memory[message.seq] = failure
         return ProgramDone(message.seq, time.perf_counter() - start, failure.message, len(self._memory))
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import enum
+import math
 import threading
 from collections import deque
 from collections.abc import Mapping
@@ -31,6 +33,9 @@ from .messages import (
 )
 from .stats import StatsRecorder
 from .transport import HostChannel
+
+PUSH_MAX_BYTES = 4096
+"""Outputs up to this size (a step's sampled token ids) come back with their ProgramDone."""
 
 
 class RuntimeState(enum.Enum):
@@ -73,6 +78,9 @@ class HostRuntime(DeviceRuntime):
         self._slots_in_use = 0  # (state) unfinished programs, at most queue_depth
         self._unfinished: dict[int, threading.Event] = {}  # (state) seq → set when it completes
         self._fetches: dict[int, concurrent.futures.Future[WireTensor]] = {}  # (state) request → reply
+        # (state) seq → its pushed output (None until its ProgramDone arrives) for every pushed
+        # program whose output is neither read nor released yet.
+        self._pushed: dict[int, WireTensor | None] = {}
         self._stats = StatsRecorder(config.recent_times_kept)
         self._receiver = threading.Thread(target=self._receive_loop, name="neuron-device-rx", daemon=True)
         self._receiver.start()
@@ -125,12 +133,15 @@ class HostRuntime(DeviceRuntime):
                 self._next_seq += 1
                 inject = seq in self._injected
                 self._injected.discard(seq)
+                push = out.dtype.itemsize * math.prod(out.shape) <= PUSH_MAX_BYTES
                 with self._state_cv:
                     # Registered under the state lock: a device loss either sees this entry and
                     # sets it, or happened first and we raise — the waiter can never hang.
                     self._raise_if_down()
                     self._unfinished[seq] = finished
-                self._send(RunProgram(seq, program, wire, out.shape, out.dtype, inject))
+                    if push:
+                        self._pushed[seq] = None
+                self._send(RunProgram(seq, program, wire, out.shape, out.dtype, inject, push))
                 sent = True
         finally:
             if not sent:
@@ -179,6 +190,19 @@ class HostRuntime(DeviceRuntime):
     # ---- FutureOwner (called by HostFuture) ------------------------------------------------------
 
     def fetch(self, future_id: int) -> torch.Tensor:
+        with self._state_cv:
+            pushed = future_id in self._pushed
+            finished = self._unfinished.get(future_id)
+        if pushed:
+            if finished is not None:
+                finished.wait()  # set after the pushed value is stored, or when the device is gone
+            with self._state_cv:
+                value = self._pushed.pop(future_id, None)
+            if value is not None:
+                self._stats.host_transfer(value.nbytes)
+                return value.decode()
+            # Nothing pushed: the program failed, or the device is gone. Ask the device, which
+            # reports the failure (or raise DeviceLostError below).
         reply: concurrent.futures.Future[WireTensor] = concurrent.futures.Future()
         with self._send_lock:
             request_id = self._next_fetch
@@ -196,6 +220,7 @@ class HostRuntime(DeviceRuntime):
             if not future.mark_released():
                 return
             with self._state_cv:
+                self._pushed.pop(future.future_id, None)
                 if self._state is not RuntimeState.RUNNING:
                     return  # device memory went with the device
             try:
@@ -239,13 +264,21 @@ class HostRuntime(DeviceRuntime):
             raise DeviceLostError(f"device runtime is {self._state.value}: {self._down_reason}")
 
     def _send(self, message: HostMessage) -> None:
-        """Caller holds ``_send_lock``. Flushes deferred releases first (they only ever name
-        futures nobody can pass to a later program, so sending them late is safe)."""
+        """Caller holds ``_send_lock``. Flushes deferred releases first, inside a RunProgram when
+        that is the message (they only ever name futures nobody can pass to a later program, this
+        one included, so sending them late is safe)."""
         released: list[int] = []
         while self._deferred_releases:
             released.append(self._deferred_releases.popleft())
+        if released:
+            with self._state_cv:
+                for future_id in released:
+                    self._pushed.pop(future_id, None)
         try:
-            if released:
+            if released and isinstance(message, RunProgram):
+                # One message instead of two: the device frees them before it runs the program.
+                message = dataclasses.replace(message, releases=tuple(released))
+            elif released:
                 self._channel.send(Release(tuple(released)))
             self._channel.send(message)
         except OSError as exc:
@@ -276,6 +309,8 @@ class HostRuntime(DeviceRuntime):
     def _on_program_done(self, message: ProgramDone) -> None:
         self._stats.program_done(message.device_time_s, message.error is not None, message.live_futures)
         with self._state_cv:
+            if message.seq in self._pushed:  # else: not pushed, or already released
+                self._pushed[message.seq] = message.value  # stored before `finished` is set
             finished = self._unfinished.pop(message.seq, None)  # None: close() already released it
             if finished is not None:
                 finished.set()  # before the slot is freed: whoever takes the slot sees this program done
@@ -301,6 +336,7 @@ class HostRuntime(DeviceRuntime):
             for finished in self._unfinished.values():
                 finished.set()
             self._unfinished.clear()
+            self._pushed.clear()
             fetches, self._fetches = self._fetches, {}
             self._state_cv.notify_all()
         for reply in fetches.values():

@@ -3,6 +3,9 @@
 Host → device: ``RunProgram``, ``Fetch``, ``Release``, ``Shutdown``.
 Device → host: ``Ready`` | ``StartupFailed`` (exactly one, first), then
 ``ProgramDone`` per program and ``Fetched`` per fetch, in processing order.
+A small output (``RunProgram.push_output``: sampled token ids) rides along
+with its ``ProgramDone``, so reading it needs no ``Fetch`` round trip: as a
+real device writes a small result straight into host-visible memory.
 
 Tensors cross as raw bytes (``WireTensor``), never as torch tensors: torch
 registers a shared-memory reduction for tensors with multiprocessing's pickler,
@@ -31,8 +34,13 @@ class WireTensor:
 
     @staticmethod
     def encode(tensor: torch.Tensor) -> WireTensor:
-        flat = tensor.detach().cpu().contiguous().reshape(-1)
-        data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+        try:
+            # Fast path (~1 µs instead of ~3.5 µs, on every program input): numpy's tobytes() copies
+            # in C order whatever the strides. numpy() refuses bfloat16, autograd and non-CPU tensors.
+            data = tensor.numpy().tobytes()
+        except (TypeError, RuntimeError):
+            flat = tensor.detach().cpu().contiguous().reshape(-1)
+            data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
         return WireTensor(data, tuple(tensor.shape), tensor.dtype)
 
     def decode(self) -> torch.Tensor:
@@ -65,6 +73,8 @@ class RunProgram:
     out_shape: tuple[int, ...]
     out_dtype: torch.dtype
     inject_failure: bool  # fail this program instead of running it (fault tests)
+    push_output: bool = False  # send the output with ProgramDone (small outputs: no Fetch round trip)
+    releases: tuple[int, ...] = ()  # futures to free first: a piggybacked Release (one message, not two)
 
 
 @dataclass(frozen=True)
@@ -115,6 +125,7 @@ class ProgramDone:
     device_time_s: float  # wall time of the program inside the device, including the device_time_ms hold
     error: str | None
     live_futures: int  # futures held in device memory once this program stored its output
+    value: WireTensor | None = None  # the output, when RunProgram.push_output asked for it and it ran
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -66,10 +67,10 @@ class _PipeDeviceEnd:
     def recv(self, block: bool) -> HostMessage | None:
         if not block and not self._conn.poll():
             return None
-        return self._conn.recv()
+        return pickle.loads(self._conn.recv_bytes())
 
     def send(self, message: DeviceMessage) -> None:
-        self._conn.send(message)
+        self._conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
 
 
 def _device_process_main(
@@ -131,11 +132,14 @@ class ProcessChannel(HostChannel):
     def pid(self) -> int | None:
         return self._process.pid
 
+    # Messages are plain pickles (send_bytes), not Connection.send's ForkingPickler, which copies its
+    # reducer table on every call: ~5 µs less per message on each side. They hold no tensors
+    # (WireTensor is bytes), so multiprocessing's tensor reductions are never needed.
     def send(self, message: HostMessage) -> None:
-        self._conn.send(message)
+        self._conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
 
     def recv(self) -> DeviceMessage:
-        return self._conn.recv()
+        return pickle.loads(self._conn.recv_bytes())
 
     def stop(self, grace_s: float) -> bool:
         with self._reap_lock:

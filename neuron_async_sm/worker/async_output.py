@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -34,6 +36,10 @@ class AsyncModelRunnerOutput:
     other gets the same result.
     """
 
+    # Test-only hook: model_check swaps in contextlib.nullcontext to record a broken run's trace,
+    # which the TLA+ spec must reject. Never change it elsewhere.
+    lock_factory: ClassVar[Callable[[], AbstractContextManager]] = threading.Lock
+
     def __init__(
         self,
         snapshot: StepSnapshot,
@@ -48,7 +54,7 @@ class AsyncModelRunnerOutput:
         self._future: DeviceFuture | None = future
         self._write_back = write_back
         self._tracer = tracer
-        self._lock = threading.Lock()
+        self._lock = self.lock_factory()
         self._result: ModelRunnerOutput | None = None
         self._error: BaseException | None = None
         self.materialize_count = 0  # how many times the transfer + write-back ran (must stay <= 1)
@@ -83,10 +89,12 @@ class AsyncModelRunnerOutput:
             # Only our reference goes: the buffer still holds the future while a program may read it.
             self._future = None
             self.materialize_count += 1
-            self._tracer.event(
-                "Materialize",
-                step=self.snapshot.step_id,
-                req_ids=list(self.snapshot.req_ids),
-                ok=self._error is None,
-                count=self.materialize_count,
-            )
+            if self._tracer.enabled:  # logged inside the lock: the trace orders it like the state change
+                self._tracer.event(
+                    "Materialize",
+                    step=self.snapshot.step_id,
+                    req_ids=list(self.snapshot.req_ids),
+                    positions=list(self.snapshot.sample_positions),
+                    ok=self._error is None,
+                    count=self.materialize_count,
+                )

@@ -76,6 +76,7 @@ class ModelRunner:
         self._executed: ExecutedStep | None = None
         self._step_id = -1
         self._step_req_ids: tuple[str, ...] = ()
+        self._step_new_ids: tuple[str, ...] = ()  # requests this step adds to the batch, in admission order
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -124,9 +125,8 @@ class ModelRunner:
     # -- async plan ---------------------------------------------------------------------------------
 
     def _begin_async_step(self, scheduled: SchedulerOutput) -> str:
-        order = self.batch.preview_order(
-            scheduled.finished_req_ids, [n.request_id for n in scheduled.scheduled_new_reqs]
-        )
+        self._step_new_ids = tuple(n.request_id for n in scheduled.scheduled_new_reqs)
+        order = self.batch.preview_order(scheduled.finished_req_ids, list(self._step_new_ids))
         self._step_req_ids = tuple(r for r in order if r in scheduled.num_scheduled_tokens)
         buffer = self.buffer
         obs = sm.StepObservation(
@@ -195,5 +195,10 @@ class ModelRunner:
     def _trace_transition(self, trigger: str, source: str, dest: str) -> None:
         if self.tracer.enabled:
             self.tracer.event(
-                trigger, step=self._step_id, source=source, state=dest, req_ids=list(self._step_req_ids)
+                trigger,
+                step=self._step_id,
+                source=source,
+                state=dest,
+                req_ids=list(self._step_req_ids),
+                new=list(self._step_new_ids),
             )

@@ -1,0 +1,45 @@
+"""Fixtures for the TLC checks. Without Java the checks skip with the reason, unless CI demands them."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # tlc.py, trace_check.py
+sys.path.insert(0, str(HERE.parent / "tests"))  # workloads.py: the random workload driver
+
+from tlc import REQUIRE_ENV, missing_reason  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tlc_available() -> None:
+    """Skip (or, with NEURON_ASYNC_SM_REQUIRE_TLC=1, fail) when TLC cannot run here."""
+    reason = missing_reason()
+    if reason is None:
+        return
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{REQUIRE_ENV}=1 but {reason}")
+    pytest.skip(f"{reason} (set {REQUIRE_ENV}=1 to make this a failure)")
+
+
+@pytest.fixture(scope="session")
+def model_results(tlc_available, tmp_path_factory) -> dict[str, object]:
+    """Every manifest model's TLC result, by config file, run two at a time. Models marked
+    `"dump": "dot"` also write their state graph with action labels to `result.dot_path`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_models import MODELS
+    from tlc import PARALLEL_RUNS, run_tlc
+
+    dumps = tmp_path_factory.mktemp("tlc-dumps")
+
+    def run(entry: dict):
+        dot = dumps / (Path(entry["config"]).stem + ".dot") if entry.get("dump") == "dot" else None
+        return run_tlc(entry["module"], entry["config"], dump_dot=dot)
+
+    with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
+        return dict(zip([m["config"] for m in MODELS], pool.map(run, MODELS), strict=True))

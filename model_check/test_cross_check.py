@@ -1,0 +1,147 @@
+"""The spec and the code cannot drift apart: both sides are derived from what they really do.
+
+- The machine's transitions: TLC's state graph of MCMachine, projected onto the machine state, has
+  exactly the edges of `async_machine.TRANSITIONS`.
+- The decision and the row order: the spec's `Decide` and `NextRowOrder` give what the Python
+  `decide()` and `next_row_order()` give, on cases TLC checks as ASSUMEs of a generated module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+import shutil
+from itertools import permutations
+
+from test_models import MODELS
+from tlc import SPEC_DIR, run_tlc, tla
+
+from neuron_async_sm.worker import async_machine as sm
+from neuron_async_sm.worker.input_batch import next_row_order
+
+MACHINE_MODEL = next(m for m in MODELS if m.get("dump") == "dot")
+_NODE = re.compile(r'^(-?\d+) \[label="[^\n]*?mstate = \\"(\w+)\\"', re.M)
+_EDGE = re.compile(r'^(-?\d+) -> (-?\d+) \[label="(\w+)"', re.M)
+
+
+def table_edges() -> set[tuple[str, str, str]]:
+    """(trigger, source, dest) for every row of the Python transition table."""
+    edges = set()
+    for row in sm.TRANSITIONS:
+        sources = row["source"] if isinstance(row["source"], list) else [row["source"]]
+        edges |= {(row["trigger"], source, row["dest"]) for source in sources}
+    return edges
+
+
+def trigger_of(action: str) -> str | None:
+    """The machine trigger a spec action fires: a path state's action is `step`; Reinstate and Drain
+    are `reinstate` and `drain`. Any other action must leave the machine state alone."""
+    if action in sm.PATH_STATES:
+        return "step"
+    triggers = {row["trigger"] for row in sm.TRANSITIONS}
+    return action.lower() if action.lower() in triggers else None
+
+
+def spec_edges(dot: str) -> set[tuple[str, str, str]]:
+    """(trigger, source, dest) for every edge of a TLC state graph that fires or changes the machine."""
+    state = dict(_NODE.findall(dot))
+    edges = set()
+    for src, dst, action in _EDGE.findall(dot):
+        trigger = trigger_of(action)
+        if trigger is not None or state[src] != state[dst]:
+            edges.add((trigger or f"<{action}>", state[src], state[dst]))
+    return edges
+
+
+def test_spec_state_graph_has_exactly_the_transition_tables_edges(model_results):
+    result = model_results[MACHINE_MODEL["config"]]
+    assert result.outcome == "pass", result.errors()
+    dot = result.dot_path.read_text()
+    assert len(_NODE.findall(dot)) == result.distinct_states
+    spec, table = spec_edges(dot), table_edges()
+    assert not spec - table, f"the spec takes transitions the table lacks: {sorted(spec - table)}"
+    assert not table - spec, f"the table has transitions the spec never takes: {sorted(table - spec)}"
+
+
+# -- Decide and NextRowOrder against the Python functions -------------------------------------------
+
+
+def camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
+
+
+def decide_cases(rng: random.Random) -> list[dict]:
+    """Observations covering every combination of the table's conditions, plus random ones."""
+    base = ("a", "b", "c")
+    currs = {"same": base, "reordered": ("c", "a", "b"), "fewer": ("a", "b"), "other": ("a", "b", "d")}
+    observations = [sm.StepObservation(False, (), base, True, (), "", (4,), "torch.int32")]
+    for curr in currs.values():
+        for all_decode in (True, False):
+            for input_shape in ((4,), (8,), (3, 16)):
+                for input_dtype in ("torch.int32", "torch.int64"):
+                    observations.append(sm.StepObservation(True, base, curr, all_decode, (4,), "torch.int32",
+                                                           input_shape, input_dtype))  # fmt: skip
+    ids = "abcd"
+    for _ in range(300):
+        prev = tuple(rng.sample(ids, rng.randint(0, 4)))
+        curr = tuple(rng.sample(ids, rng.randint(0, 4)))
+        has_pending = rng.random() < 0.9
+        observations.append(sm.StepObservation(
+            has_pending, prev if has_pending else (), curr, rng.random() < 0.7,
+            rng.choice([(1,), (2,), (4,)]) if has_pending else (), "torch.int32" if has_pending else "",
+            rng.choice([(1,), (2,), (4,), (2, 8)]), rng.choice(["torch.int32", "torch.int32", "torch.int64"]),
+        ))  # fmt: skip
+    return [
+        {"obs": {camel(k): v for k, v in dataclasses.asdict(o).items()}, "expect": sm.decide(o)} for o in observations
+    ]
+
+
+def row_order_cases(rng: random.Random) -> list[dict]:
+    cases = []
+    for rows in permutations("abcd", 4):  # every removal from a full batch of four
+        for mask in range(16):
+            removed = {r for i, r in enumerate(rows) if mask >> i & 1}
+            cases.append((list(rows), removed, []))
+    for _ in range(300):
+        rows = rng.sample("abcdefgh", rng.randint(0, 8))
+        removed = set(rng.sample(rows, rng.randint(0, len(rows))))
+        cases.append((rows, removed, rng.sample("uvwxyz", rng.randint(0, 4))))
+    return [
+        {"rows": rows, "removed": removed, "added": added, "expect": next_row_order(rows, frozenset(removed), added)}
+        for rows, removed, added in cases
+    ]
+
+
+CASES_MODULE = """---- MODULE CrossCheckCases ----
+\\* Generated by model_check/test_cross_check.py: Python's answers, checked against the spec.
+EXTENDS MCAsyncScheduling
+ASSUME MachineStates = {states} /\\ PathStates = {paths} /\\ AsyncStates = {async_states}
+DecideCases == {decide}
+RowOrderCases == {rows}
+DecideMismatches == {{c \\in Range(DecideCases) : Decide(c.obs) # c.expect}}
+RowOrderMismatches == {{c \\in Range(RowOrderCases) : NextRowOrder(c.rows, c.removed, c.added) # c.expect}}
+Report(name, S) == PrintT(<<"mismatch", name, Cardinality(S), "cases, e.g.", CHOOSE c \\in S : TRUE>>)
+ASSUME DecideMismatches = {{}} \\/ (Report("Decide", DecideMismatches) /\\ FALSE)
+ASSUME RowOrderMismatches = {{}} \\/ (Report("NextRowOrder", RowOrderMismatches) /\\ FALSE)
+====
+"""
+
+
+def test_spec_decide_and_row_order_give_what_the_python_functions_give(tlc_available, tmp_path):
+    rng = random.Random(4)
+    decide, rows = decide_cases(rng), row_order_cases(rng)
+    assert {c["expect"] for c in decide} == set(sm.PATH_STATES)  # every outcome is exercised
+    shutil.copy(SPEC_DIR / "AsyncScheduling.tla", tmp_path)
+    shutil.copy(SPEC_DIR / "MCAsyncScheduling.tla", tmp_path)
+    (tmp_path / "CrossCheckCases.tla").write_text(CASES_MODULE.format(
+        states=tla(set(sm.STATES)), paths=tla(set(sm.PATH_STATES)), async_states=tla(set(sm.ASYNC_STATES)),
+        decide=tla(decide), rows=tla(rows),
+    ))  # fmt: skip
+    constants = (SPEC_DIR / MACHINE_MODEL["config"]).read_text().split("SPECIFICATION")[0]
+    (tmp_path / "CrossCheckCases.cfg").write_text(constants + "INIT NoInit\nNEXT Next\n")
+    result = run_tlc("CrossCheckCases", "CrossCheckCases.cfg", spec_dir=tmp_path)
+    assert not any("mismatch" in line for line in result.printed), "\n".join(result.printed)
+    assert result.exit_code == 0, result.errors()
+    assert result.distinct_states == 0  # nothing was model checked: the ASSUMEs are the test

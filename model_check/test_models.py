@@ -1,0 +1,74 @@
+"""Every TLC model in spec/manifest.json gives its expected result and its distinct-state count.
+
+Passing models must pass; must-fail models (the implementation with one guard removed) must fail on
+the invariant that guards it. A parse error, an unexpected pass or an unexpected failure fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from tlc import EXIT_PARSE, SPEC_DIR
+
+MANIFEST = json.loads((SPEC_DIR / "manifest.json").read_text())
+MODELS = MANIFEST["models"]
+REFERENCE_CONFIG = "MCAsyncScheduling.cfg"
+
+
+def constants(config: str) -> dict[str, str]:
+    text = (SPEC_DIR / config).read_text()
+    block = text.split("CONSTANTS", 1)[1].split("SPECIFICATION", 1)[0]
+    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s*(\w+)\s*(?:=|<-)\s*(.+)$", block, re.M)}
+
+
+def spec_guards() -> list[str]:
+    """The constants AsyncScheduling.tla declares after "The guards." (the implementation has them all)."""
+    spec = (SPEC_DIR / "AsyncScheduling.tla").read_text()
+    block = spec.split("\\* The guards.", 1)[1].split("\n\n", 1)[0]
+    return re.findall(r"^\s+(\w+),?\s+\\\*", block, re.M)
+
+
+GUARDS = spec_guards()
+
+
+@pytest.mark.parametrize("entry", MODELS, ids=[m["config"] for m in MODELS])
+def test_model_gives_its_expected_result_and_state_count(entry, model_results):
+    result = model_results[entry["config"]]
+    assert result.exit_code not in EXIT_PARSE, f"TLC could not parse the model:\n{result.errors()}"
+    assert result.outcome == entry["expect"], (
+        f"{entry['config']}: expected {entry['expect']}, TLC reported {result.outcome}\n{result.errors()}"
+    )
+    assert result.distinct_states == entry["distinct_states"], (
+        f"{entry['config']}: {result.distinct_states} distinct states, manifest says {entry['distinct_states']}"
+    )
+
+
+def test_manifest_lists_every_model_config():
+    configs = {p.name for p in SPEC_DIR.glob("MC*.cfg")}
+    assert configs == {m["config"] for m in MODELS}
+
+
+def test_each_must_fail_model_drops_exactly_one_guard_of_the_reference_model():
+    assert len(GUARDS) >= 7, GUARDS
+    reference = constants(REFERENCE_CONFIG)
+    assert all(reference[g] == "TRUE" for g in GUARDS), "the reference model must have every guard"
+    dropped = set()
+    for entry in MODELS:
+        if entry["expect"] == "pass":
+            assert all(constants(entry["config"])[g] == "TRUE" for g in GUARDS), entry["config"]
+            continue
+        diff = {k for k, v in constants(entry["config"]).items() if reference.get(k) != v}
+        assert len(diff) == 1 and diff <= set(GUARDS), f"{entry['config']} differs in {diff}"
+        assert entry["guard"] in diff, entry
+        dropped |= diff
+    assert dropped == set(GUARDS), f"no must-fail model drops {set(GUARDS) - dropped}"
+
+
+def test_every_safety_invariant_is_shown_to_fail_by_some_model():
+    spec = (SPEC_DIR / "AsyncScheduling.tla").read_text()
+    invariants = set(re.findall(r"^(\w+Inv) ==", spec, re.M))
+    expected_failures = {m["expect"] for m in MODELS}
+    assert invariants == expected_failures - {"pass", "deadlock"}, "each invariant needs a model that breaks it"
+    assert "deadlock" in expected_failures

@@ -1,0 +1,1 @@
+"""`neuron-async-sm bench`: async against sync, against the overlap limit and against transformers."""

@@ -1,0 +1,60 @@
+"""Hugging Face checkpoints for the benchmark, written from our own seeded random weights.
+
+`tiny-llama` is built in memory; saved with `write_checkpoint(dir, TINY_LLAMA_CONFIG)` it becomes a
+directory that both our loader and `transformers.LlamaForCausalLM.from_pretrained` read, with the same
+weights on both sides. `MICRO_LLAMA_CONFIG` is a one-layer model whose program is a fraction of a
+millisecond, so `--device-time-ms` alone sets the device time of the D/C sweep.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from neuron_async_sm.model import TINY_LLAMA_CONFIG, LlamaConfig
+from neuron_async_sm.model.loader import random_state_dict
+
+MICRO_LLAMA_CONFIG = replace(
+    TINY_LLAMA_CONFIG, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=32,
+)  # fmt: skip
+
+
+def hf_config(config: LlamaConfig) -> dict:
+    """config.json for a LlamaForCausalLM with this architecture (float32 weights)."""
+    if config.rope_scaling is not None:
+        raise ValueError("hf_config: rope scaling is not written by the benchmark")
+    eos = list(config.eos_token_ids)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else eos,
+        "torch_dtype": "float32",
+    }
+
+
+def write_checkpoint(directory: str | Path, config: LlamaConfig = TINY_LLAMA_CONFIG, seed: int = 0) -> Path:
+    """config.json + model.safetensors holding the weights `tiny-llama` builds from `seed` (for this config)."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(random_state_dict(config, seed), str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(hf_config(config), indent=2) + "\n", encoding="utf-8")
+    return path

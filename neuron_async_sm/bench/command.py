@@ -1,0 +1,200 @@
+"""`neuron-async-sm bench`: argument parsing, the sections to run, tables on stdout, JSON and plots.
+
+Sections: the sync/async comparison on one workload (always, unless `--no-compare`), and on request
+the D/C sweep (`--sweep`), host cost per step vs batch size and vs waiting requests (`--host-cost`),
+and tokens/s against transformers (`--vs-transformers`). `--all` runs every section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from neuron_async_sm.bench import host_cost, peer, sweep
+from neuron_async_sm.bench.runner import Progress, batch_config, compare_modes, load_average
+from neuron_async_sm.bench.workloads import DEFAULT_NUM_REQUESTS, WORKLOADS, build_workload
+
+COMPARE_FIELDS = (
+    ("tokens/s", "tokens_per_s", "{:.0f}"),
+    ("steps/s", "steps_per_s", "{:.0f}"),
+    ("ms/step", "step_ms", "{:.3f}"),
+    ("C host ms/step", "host_ms_per_step", "{:.3f}"),
+    ("D device ms/step", "device_ms_per_step", "{:.3f}"),
+    ("TTFT p50 ms", "ttft_ms_p50", "{:.1f}"),
+    ("TPOT p50 ms", "tpot_ms_p50", "{:.3f}"),
+    ("TPOT p99 ms", "tpot_ms_p99", "{:.3f}"),
+    ("ITL p99 ms", "itl_ms_p99", "{:.3f}"),
+)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from exc
+    if not values or not all(v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark async against sync, the overlap limit and transformers")
+    p.add_argument("--workload", default="steady", choices=WORKLOADS, help="see neuron_async_sm/bench/workloads.py")
+    p.add_argument("--num-requests", type=int, default=None, help="default: steady 8, churn 64, mixed 48")
+    p.add_argument("--output-tokens", type=int, default=None, help="steady: output tokens per request (256)")
+    p.add_argument("--repetitions", type=int, default=5, help="recorded runs per mode (alternating)")
+    p.add_argument("--warmup", type=int, default=1, help="unrecorded runs per mode first")
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: steady N requests, others 8")
+    p.add_argument("--device-time-ms", type=float, default=0.0, help="hold each program this long (0: real compute)")
+    p.add_argument("--device-threads", type=int, default=1, help="torch threads inside the device process")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-compare", action="store_true", help="skip the sync/async comparison")
+    p.add_argument("--sweep", nargs="?", const=sweep.DEFAULT_RATIOS, type=_floats, default=None,
+                   metavar="RATIOS", help="D/C sweep at these ratios (default 0.25,0.5,1,2,4)")  # fmt: skip
+    p.add_argument("--host-cost", action="store_true", help="C per step vs batch size and vs waiting requests")
+    p.add_argument("--vs-transformers", action="store_true", help="tokens/s against transformers generate()")
+    p.add_argument("--all", action="store_true", help="every section")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
+    p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=run_bench)
+
+
+def _progress_bar(enabled: bool, total: int, desc: str) -> tuple[Progress, Callable[[], None]]:
+    """(advance-by-one callback, close); a tqdm bar on stderr, or nothing."""
+    if not enabled:
+        return (lambda _line: None), (lambda: None)
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="run", file=sys.stderr, dynamic_ncols=True)
+
+    def advance(line: str) -> None:
+        bar.update(1)
+        bar.set_postfix_str(line)
+
+    return advance, bar.close
+
+
+def machine() -> dict:
+    return {
+        "cpus": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_avg_start": load_average(),
+    }
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.all:
+        args.sweep = args.sweep or sweep.DEFAULT_RATIOS
+        args.host_cost = args.vs_transformers = True
+    show = not args.no_progress
+    report: dict = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if not args.no_compare:
+        report.update(_compare_section(args, show))
+    if args.sweep:
+        advance, close = _progress_bar(show, 1 + 2 * (args.repetitions + 1) * len(args.sweep), "sweep D/C")
+        report["sweep"] = sweep.run_sweep(args.sweep, repetitions=args.repetitions, progress=advance)
+        close()
+        _print_sweep(report["sweep"])
+    if args.host_cost:
+        advance, close = _progress_bar(show, len(host_cost.DEFAULT_BATCH_SIZES) + len(host_cost.DEFAULT_WAITING),
+                                       "host cost")  # fmt: skip
+        report["host_cost_batch"] = host_cost.host_cost_vs_batch(progress=advance)
+        report["host_cost_waiting"] = host_cost.host_cost_vs_waiting(progress=advance)
+        close()
+        _print_rows("C per step vs batch size (µs)", report["host_cost_batch"]["rows"], "batch")
+        _print_rows("C per step vs waiting requests (µs)", report["host_cost_waiting"]["rows"], "waiting")
+    if args.vs_transformers:
+        advance, close = _progress_bar(show, len(peer.DEFAULT_PEER_BATCHES), "vs transformers")
+        report["vs_transformers"] = peer.vs_transformers(progress=advance)
+        close()
+        _print_peer(report["vs_transformers"])
+    report["machine"]["load_avg_end"] = load_average()
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(_finite(report), indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    if args.plots:
+        from neuron_async_sm.bench.plots import write_plots
+
+        for path in write_plots(report, args.plots):
+            print(f"wrote {path}")
+    return 0
+
+
+def _compare_section(args: argparse.Namespace, show: bool) -> dict:
+    num_requests = args.num_requests or DEFAULT_NUM_REQUESTS[args.workload]
+    max_num_seqs = args.max_num_seqs or (num_requests if args.workload == "steady" else 8)
+    workload = build_workload(args.workload, num_requests=num_requests, output_tokens=args.output_tokens,
+                              seed=args.seed)  # fmt: skip
+    config = {**batch_config(max_num_seqs), "device_time_ms": args.device_time_ms,
+              "device_threads": args.device_threads, "seed": args.seed}  # fmt: skip
+    advance, close = _progress_bar(show, 2 * (args.warmup + args.repetitions), f"bench {args.workload}")
+    try:
+        result = compare_modes(args.model, workload, repetitions=args.repetitions, warmup=args.warmup,
+                               progress=advance, **config)  # fmt: skip
+    finally:
+        close()
+    section = result.to_json()
+    section.update(workload=args.workload, num_requests=num_requests, model=args.model, config=config)
+    _print_compare(section)
+    return section
+
+
+def _print_compare(section: dict) -> None:
+    config, reps = section["config"], section["sync"]["repetitions"]
+    print(f"\n{section['workload']}: {section['num_requests']} requests, {section['model']}, "
+          f"device_time_ms={config['device_time_ms']}, medians of {reps} runs per mode")  # fmt: skip
+    print(f"{'':20s} {'sync':>10s} {'async':>10s}")
+    for label, key, fmt in COMPARE_FIELDS:
+        print(f"{label:20s} {fmt.format(section['sync'][key]):>10s} {fmt.format(section['async'][key]):>10s}")
+    print(f"speedup {section['speedup']:.3f} (ideal {section['ideal_speedup']:.3f}), "
+          f"overlap_efficiency {section['overlap_efficiency']:.2f}, D/C {section['D_over_C']:.2f}, "
+          f"async_step_fraction {section['async_step_fraction']:.3f}")  # fmt: skip
+    print(f"state_counts {section['state_counts']}")
+
+
+def _print_sweep(data: dict) -> None:
+    print(f"\nD/C sweep ({data['model']}, batch {data['batch']}, calibrated C {data['calibrated_C_ms']:.3f} ms)")
+    print(f"{'D/C asked':>9s} {'D/C':>6s} {'speedup':>8s} {'ideal':>6s} {'ratio':>6s} {'efficiency':>10s}")
+    for p in data["points"]:
+        print(f"{p['requested_ratio']:9.2f} {p['D_over_C']:6.2f} {p['speedup']:8.3f} {p['ideal_speedup']:6.3f} "
+              f"{p['speedup_vs_ideal']:6.3f} {p['overlap_efficiency']:10.2f}")  # fmt: skip
+
+
+def _print_rows(title: str, rows: list[dict], key: str) -> None:
+    print(f"\n{title}")
+    print(f"{key:>8s} {'sync':>8s} {'async':>8s}")
+    for r in rows:
+        print(f"{r[key]:8d} {r['sync_host_us']:8.0f} {r['async_host_us']:8.0f}")
+
+
+def _print_peer(data: dict) -> None:
+    print(f"\ntokens/s vs transformers {data['transformers_version']} ({data['new_tokens']} new tokens, greedy)")
+    print(f"{'batch':>6s} {'ours':>8s} {'theirs':>8s} {'ratio':>6s} {'agree':>6s}")
+    for r in data["rows"]:
+        print(f"{r['batch']:6d} {r['ours_tokens_per_s']:8.0f} {r['transformers_tokens_per_s']:8.0f} "
+              f"{r['ratio']:6.2f} {r['token_agreement']:6.3f}")  # fmt: skip
+
+
+def _finite(value: object) -> object:
+    """NaN / inf as null: strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

@@ -1,0 +1,100 @@
+"""Host cost per step: how C grows with the running batch and with the number of waiting requests.
+
+C is the probe's host time per forward step (wall minus device waits) during steady decode; both
+modes are measured (async: the engine main thread's share, the output thread runs beside it).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from neuron_async_sm.bench.probe import StepProbe
+from neuron_async_sm.bench.runner import ProbedLLM, Progress, batch_config, load_average
+from neuron_async_sm.bench.workloads import build_workload
+from neuron_async_sm.sampling_params import SamplingParams
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_WAITING = (0, 100, 1000, 10_000)
+MODES = ("sync", "async")
+
+
+def host_cost_vs_batch(
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
+    *,
+    model: str = "tiny-llama",
+    output_tokens: int = 64,
+    repetitions: int = 3,
+    progress: Progress | None = None,
+) -> dict:
+    """Median C (µs per step) per batch size and mode, on one engine per mode sized for the largest batch."""
+    config = batch_config(max(batch_sizes))
+    engines = {mode: ProbedLLM(model, async_scheduling=mode == "async", **config) for mode in MODES}
+    rows = []
+    try:
+        for batch in batch_sizes:
+            workload = build_workload("steady", num_requests=batch, output_tokens=output_tokens)
+            row: dict = {"batch": batch}
+            for mode, engine in engines.items():
+                engine.run(workload)  # warm-up: this batch size's first steps
+                runs = [engine.run(workload) for _ in range(repetitions)]
+                row[f"{mode}_host_us"] = statistics.median(r["host_ms_p50"] for r in runs) * 1e3
+                row[f"{mode}_host_us_mean"] = statistics.median(r["host_ms_per_step"] for r in runs) * 1e3
+                for phase in ("schedule", "execute", "output"):
+                    row[f"{mode}_{phase}_us"] = statistics.median(r[f"{phase}_ms_p50"] for r in runs) * 1e3
+                row[f"{mode}_device_us"] = statistics.median(r["device_ms_p50"] for r in runs) * 1e3
+                row[f"{mode}_load_avg"] = load_average()[0]
+            rows.append(row)
+            if progress is not None:
+                progress(f"batch {batch}: C sync {row['sync_host_us']:.0f} µs, async {row['async_host_us']:.0f} µs")
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return {"model": model, "output_tokens": output_tokens, "rows": rows}
+
+
+def host_cost_vs_waiting(
+    waiting_counts: tuple[int, ...] = DEFAULT_WAITING,
+    *,
+    model: str = "tiny-llama",
+    running: int = 8,
+    steps: int = 64,
+    progress: Progress | None = None,
+) -> dict:
+    """Median C (µs per decode step) with `running` requests decoding and N more waiting for a slot.
+
+    A fresh engine per point: the waiting requests never get a slot during the measured steps, and
+    aborting thousands of them would measure abort, not the step.
+    """
+    rows = []
+    for waiting in waiting_counts:
+        row: dict = {"waiting": waiting}
+        for mode in MODES:
+            engine = ProbedLLM(model, async_scheduling=mode == "async", max_num_seqs=running)
+            try:
+                row[f"{mode}_host_us"], row[f"{mode}_host_us_mean"] = _decode_host_us(engine, running, waiting, steps)
+            finally:
+                engine.close()
+            row[f"{mode}_load_avg"] = load_average()[0]
+        rows.append(row)
+        if progress is not None:
+            progress(f"{waiting} waiting: C sync {row['sync_host_us']:.0f} µs, async {row['async_host_us']:.0f} µs")
+    return {"model": model, "running": running, "steps": steps, "rows": rows}
+
+
+def _decode_host_us(engine: ProbedLLM, running: int, waiting: int, steps: int) -> tuple[float, float]:
+    """(median, mean) host µs per step over `steps` decode steps, measured after two warm-up turns."""
+    llm = engine.llm
+    long = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    for i in range(running):  # added first: they take every slot
+        llm.add_request([3 + i, 4, 5, 6], long, f"run-{i}")
+    for i in range(waiting):
+        llm.add_request([7, 8, 9, 10 + i % 900], SamplingParams(max_tokens=4), f"wait-{i}")
+    probe: StepProbe = engine.probe
+    for _ in range(2):  # prefill, then the first decode (a shape change): not steady yet
+        probe.turn(llm.step)
+    probe.reset()
+    for _ in range(steps):
+        probe.turn(llm.step)
+    host = [h for h, s in zip(probe.log.host_s, probe.log.steps, strict=True) if s]
+    assert len(llm.engine.scheduler.waiting) == waiting, "a waiting request was admitted mid-measurement"
+    return statistics.median(host) * 1e6, sum(host) / len(host) * 1e6

@@ -1,0 +1,138 @@
+"""What one benchmark run measured, and how sync and async runs compare.
+
+Times are per *engine busy time* (the sum of loop-turn wall times, as `EngineCore.stats()` counts
+it), so the driver's own bookkeeping between turns is left out of both modes alike.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from neuron_async_sm.bench.probe import PHASES, TurnLog
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """Wall-clock stamps of one request (perf_counter seconds)."""
+
+    arrival: float
+    token_times: tuple[float, ...]  # one stamp per emitted token
+
+
+def run_metrics(
+    log: TurnLog,
+    device_times: list[float],
+    requests: dict[str, RequestTimes],
+    counters: dict,
+    wall_s: float,
+) -> dict:
+    """The flat, JSON-ready metrics of one run (times in ms unless the name says otherwise)."""
+    step_turns = [i for i, s in enumerate(log.steps) if s]
+    steps = sum(log.steps)
+    busy_s = sum(log.wall_s)
+    tokens = sum(len(r.token_times) for r in requests.values())
+    host = log.host_s
+    host_per_step = [host[i] for i in step_turns]
+    ttft = [(r.token_times[0] - r.arrival) * 1e3 for r in requests.values() if r.token_times]
+    tpot = [
+        (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) * 1e3
+        for r in requests.values()
+        if len(r.token_times) > 1
+    ]
+    itl = [(b - a) * 1e3 for r in requests.values() for a, b in itertools.pairwise(r.token_times)]
+    metrics = {
+        "requests": len(requests),
+        "output_tokens": tokens,
+        "steps": steps,
+        "busy_s": busy_s,
+        "wall_s": wall_s,
+        "tokens_per_s": tokens / busy_s,
+        "steps_per_s": steps / busy_s,
+        "step_ms": busy_s / steps * 1e3,
+        "ttft_ms_p50": percentile(ttft, 50),
+        "ttft_ms_p99": percentile(ttft, 99),
+        "tpot_ms_p50": percentile(tpot, 50),
+        "tpot_ms_p99": percentile(tpot, 99),
+        "itl_ms_p50": percentile(itl, 50),
+        "itl_ms_p99": percentile(itl, 99),
+        # C: host time on the critical path, per forward step (turns without a step are tiny and counted in).
+        "host_ms_per_step": sum(host) / steps * 1e3,
+        "host_ms_p50": percentile(host_per_step, 50) * 1e3,
+        "host_cpu_ms_per_step": sum(log.cpu_s) / steps * 1e3,  # main thread CPU time: C without preemption
+        "wait_ms_per_step": sum(log.wait_s) / steps * 1e3,
+        # D: program execution time inside the device process.
+        "device_ms_per_step": sum(device_times) / len(device_times) * 1e3,
+        "device_ms_p50": percentile(device_times, 50) * 1e3,
+        # Where C goes (medians over steps: a preempted step would dominate a mean).
+        **{f"{p}_ms_p50": percentile([log.phase_s[p][i] for i in step_turns], 50) * 1e3 for p in PHASES},
+        # Garbage collection during the run: a full (gen 2) collection stops the host for ~100 ms.
+        "gc_ms": sum(log.gc_s) * 1e3,
+        "gc_full_collections": log.gc_count[2],
+    }
+    if len(device_times) == steps and not counters.get("async_scheduling", False):
+        # Sync: turn i ran step i, so C and D pair up step by step.
+        pairs = [(host[i], d) for i, d in zip(step_turns, device_times, strict=True)]
+        other = sum(host) - sum(c for c, _ in pairs)  # turns that ran no step
+        metrics["serial_s"] = sum(c + d for c, d in pairs) + other  # C + D, no overlap
+        metrics["ideal_s"] = sum(max(c, d) for c, d in pairs) + other  # max(C, D): perfect overlap
+        # Wait not explained by device time: transport, wake-ups, transfers (async may hide it too).
+        metrics["sync_overhead_ms_per_step"] = (sum(log.wait_s) - sum(device_times)) / steps * 1e3
+    if "state_counts" in counters:
+        metrics["async_steps"] = counters["async_steps"]
+        metrics["sync_fallback_steps"] = counters["sync_fallback_steps"]
+        metrics["state_counts"] = counters["state_counts"]
+        metrics["async_step_fraction"] = counters["async_steps"] / steps
+    return metrics
+
+
+def median_metrics(runs: list[dict]) -> dict:
+    """Per-field median over repetitions (state counts: the median of each count)."""
+    out: dict = {"repetitions": len(runs)}
+    for key, value in runs[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: statistics.median(r[key][k] for r in runs) for k in value}
+        elif isinstance(value, list):
+            out[key] = [r[key] for r in runs]  # e.g. the load average of each run
+        else:
+            out[key] = statistics.median(r[key] for r in runs)
+    return out
+
+
+def compare(sync_runs: list[dict], async_runs: list[dict]) -> dict:
+    """speedup, ideal_speedup and overlap_efficiency: medians over the alternating (sync, async) pairs.
+
+    speedup = T_sync / T_async; ideal_speedup = sum(C + D) / sum(max(C, D)) over the sync run's steps
+    ((C + D) / max(C, D) when every step costs the same); overlap_efficiency =
+    (T_sync - T_async) / (T_sync - T_ideal) with T_ideal = sum(max(C, D)).
+    """
+    pairs = list(zip(sync_runs, async_runs, strict=True))
+    speedup = [s["busy_s"] / a["busy_s"] for s, a in pairs]
+    ideal = [s["serial_s"] / s["ideal_s"] for s in sync_runs]
+    efficiency = [(s["busy_s"] - a["busy_s"]) / (s["busy_s"] - s["ideal_s"]) for s, a in pairs]
+    c = statistics.median(s["host_ms_per_step"] for s in sync_runs)
+    d = statistics.median(s["device_ms_per_step"] for s in sync_runs)
+    return {
+        "speedup": statistics.median(speedup),
+        "ideal_speedup": statistics.median(ideal),
+        "overlap_efficiency": statistics.median(efficiency),
+        "C_ms": c,  # host time per step on the critical path, sync run
+        "D_ms": d,  # device time per step, sync run
+        "D_over_C": d / c,
+        "speedup_per_pair": speedup,
+        "overlap_efficiency_per_pair": efficiency,
+    }

@@ -1,0 +1,110 @@
+"""PNG plots of a benchmark report (matplotlib, a dev extra: imported only when plotting)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from neuron_async_sm.bench.sweep import ideal_speedup
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise RuntimeError("--plots needs matplotlib (pip install -e '.[dev]')") from exc
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_plots(report: dict, directory: str | Path) -> list[Path]:
+    """One PNG per section present in `report` (sweep, host_cost_batch, host_cost_waiting, vs_transformers)."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    plt = _pyplot()
+    written = []
+    for key, draw, name in (
+        ("sweep", _sweep, "bench_speedup_vs_dc.png"),
+        ("host_cost_batch", _host_batch, "bench_host_cost_batch.png"),
+        ("host_cost_waiting", _host_waiting, "bench_host_cost_waiting.png"),
+        ("vs_transformers", _peer, "bench_vs_transformers.png"),
+    ):
+        if key in report:
+            fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
+            draw(ax, report[key])
+            fig.tight_layout()
+            fig.savefig(out / name)
+            plt.close(fig)
+            written.append(out / name)
+    return written
+
+
+def _sweep(ax, sweep: dict) -> None:
+    points = sweep["points"]
+    ratios = [p["D_over_C"] for p in points]
+    lo, hi = min(ratios + [0.25]) * 0.8, max(ratios + [4.0]) * 1.25
+    grid = [lo * (hi / lo) ** (i / 199) for i in range(200)]
+    ideal = [ideal_speedup(r) for r in grid]
+    ax.plot(grid, ideal, color="black", label="ideal (C + D) / max(C, D)")
+    ax.fill_between(grid, [0.9 * y for y in ideal], ideal, color="0.85", label="within 10% of ideal")
+    ax.plot(ratios, [p["speedup"] for p in points], "o-", color="tab:blue", label="measured T_sync / T_async")
+    ax.set_xscale("log")
+    ax.set_xticks([0.25, 0.5, 1, 2, 4])
+    ax.set_xticklabels(["0.25", "0.5", "1", "2", "4"])
+    ax.set_xlabel("D / C (device time / host time per step, measured)")
+    ax.set_ylabel("speedup of async over sync")
+    ax.set_title(f"Async speedup vs D/C ({sweep['model'].split(' ')[0]}, batch {sweep['batch']})")
+    ax.set_ylim(0.8, 2.1)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower center", fontsize=8)
+
+
+def _host_batch(ax, data: dict) -> None:
+    rows = data["rows"]
+    batches = [r["batch"] for r in rows]
+    for mode, color in (("sync", "tab:orange"), ("async", "tab:blue")):
+        ax.plot(batches, [r[f"{mode}_host_us"] for r in rows], "o-", color=color, label=f"C per step, {mode}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches)
+    ax.set_xticklabels([str(b) for b in batches])
+    ax.set_xlabel("running requests (decode batch)")
+    ax.set_ylabel("host time per step (µs, median)")
+    ax.set_title("Host cost per step vs batch size")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _host_waiting(ax, data: dict) -> None:
+    rows = data["rows"]
+    waiting = [max(r["waiting"], 1) for r in rows]
+    for mode, color in (("sync", "tab:orange"), ("async", "tab:blue")):
+        ax.plot(waiting, [r[f"{mode}_host_us"] for r in rows], "o-", color=color, label=f"C per step, {mode}")
+    ax.set_xscale("log")
+    ax.set_xticks(waiting)
+    ax.set_xticklabels([str(r["waiting"]) for r in rows])
+    ax.set_xlabel(f"waiting requests ({data['running']} running)")
+    ax.set_ylabel("host time per step (µs, median)")
+    ax.set_title("Host cost per step vs waiting requests")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _peer(ax, data: dict) -> None:
+    rows = data["rows"]
+    x = range(len(rows))
+    width = 0.38
+    ax.bar([i - width / 2 for i in x], [r["ours_tokens_per_s"] for r in rows], width, label="neuron_async_sm (async)")
+    ax.bar([i + width / 2 for i in x], [r["transformers_tokens_per_s"] for r in rows], width,
+           label=f"transformers generate() (best of {data['transformers_threads']} threads)")  # fmt: skip
+    for i, r in enumerate(rows):
+        ax.annotate(f"{r['ratio']:.2f}x", (i, max(r["ours_tokens_per_s"], r["transformers_tokens_per_s"])),
+                    ha="center", va="bottom", fontsize=8)  # fmt: skip
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([str(r["batch"]) for r in rows])
+    ax.set_xlabel("batch (prompts decoded together)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"tokens/s vs transformers (greedy, {data['new_tokens']} new tokens)")
+    ax.legend(fontsize=8)

@@ -1,0 +1,542 @@
+--------------------------- MODULE AsyncScheduling ---------------------------
+(***************************************************************************)
+(* Async scheduling of LLM inference steps, at the level where its bugs    *)
+(* live (neuron_async_sm; docs/spec.md maps every name below to the code). *)
+(*                                                                         *)
+(* - The engine core (main thread) schedules one step ahead: a batch queue *)
+(*   of Depth steps, each scheduled while the previous one is in flight.   *)
+(* - The worker (same thread) decides each step's path with the machine of *)
+(*   worker/async_machine.py; the path actions carry the state names.      *)
+(* - The device runs programs in order; a program that takes the previous  *)
+(*   step's sampled-token future as input waits for it.                    *)
+(* - The async output thread materializes every step's output, under the   *)
+(*   output's lock; the main thread materializes the pending output itself *)
+(*   when it breaks the async flow.                                        *)
+(* - Requests arrive, finish (EOS is known only after materialization,     *)
+(*   max_tokens ahead of time), are aborted, and condense() reorders rows. *)
+(*                                                                         *)
+(* Tokens are abstract: Tok(r, k) is the k-th output token of request r.   *)
+(* A row that computes from a wrong input samples a Corrupt token.         *)
+(***************************************************************************)
+EXTENDS Integers, Sequences, FiniteSets, TLC
+
+CONSTANTS
+    Requests,      \* request ids (strings) in arrival order
+    MaxSeqs,       \* KV slots: at most this many requests run at once
+    Buckets,       \* padded row counts of a decode input
+    Depth,         \* batch queue depth of the engine core (max_concurrent_batches = 2)
+    MaxTokens,     \* [request -> max_tokens], capped by max_model_len
+    MaxChunks,     \* a prompt is computed in at most this many prefill chunks
+    MayAbort,      \* requests a client may abort
+    AllowFailure,  \* programs may fail and the engine may die, which drains the pipeline
+    \* The guards. The implementation has all of them; each must-fail model drops one.
+    GetOutputLock,             \* get_output() materializes under the output's lock
+    CompositionGuard,          \* CompositionBreak materializes before inputs are built
+    RebuildOnShapeMismatch,    \* ShapeMismatchRebuild materializes, then builds inputs
+    RebuildWhenNotAllDecode,   \* ... also when the same set is not all-decode (our deviation)
+    RemapOnReorder,            \* ReorderRemap gathers the future's rows into the new order
+    WriteBackBySnapshot,       \* write-back goes by the snapshot's ids, never by current row
+    StateLockFreeWhileWaiting, \* the main thread never holds the CPU-state lock in get_output
+    RemapIsSyncFallback,       \* a ReorderRemap step is counted as sync fallback, not async
+    BatchQueueBounded          \* the engine core waits for the oldest output when its queue is full
+
+ReqSet == {Requests[i] : i \in 1..Len(Requests)}
+Threads == {"main", "output"}
+PathStates == {"NoPendingFuture", "CompositionBreak", "ShapeMismatchRebuild", "ReorderRemap", "Steady"}
+AsyncStates == {"Steady"}   \* the only path counted as an async step
+MachineStates == PathStates \cup {"Idle", "Reinstate"}
+None == ""                  \* an empty row (a hole before condense())
+
+Tok(r, k) == <<r, k>>       \* the k-th output token of r, sampled from r's own inputs
+Corrupt(r, k) == <<r, -k>>  \* what a row samples from an input that is not r's previous token
+Poison == <<None, 0>>       \* POISON_TOKEN: a token the host does not have yet
+Prompt == <<None, -1>>      \* prompt tokens: always on the host
+
+Range(f) == {f[i] : i \in DOMAIN f}
+Min(a, b) == IF a < b THEN a ELSE b
+IndexOf(s, x) == CHOOSE i \in DOMAIN s : s[i] = x
+Bucket(n) == CHOOSE b \in Buckets : b >= n /\ \A c \in Buckets : c >= n => b <= c
+MaxOf(S) == CHOOSE m \in S : \A x \in S : x <= m
+\* Every step schedules at least one prefill chunk or decode token.
+StepBound == Len(Requests) * (MaxChunks + MaxOf(Range(MaxTokens)))
+
+ASSUME /\ Depth = 2
+       /\ MaxOf(Buckets) >= MaxSeqs
+       /\ MayAbort \subseteq ReqSet
+
+-----------------------------------------------------------------------------
+(* condense(): input_batch.next_row_order, step for step.                  *)
+
+Front(s) == SubSeq(s, 1, Len(s) - 1)
+RECURSIVE TrimTail(_)
+TrimTail(s) == IF s # <<>> /\ s[Len(s)] = None THEN TrimTail(Front(s)) ELSE s
+FirstHole(s) == CHOOSE i \in DOMAIN s : s[i] = None /\ \A j \in 1..(i - 1) : s[j] # None
+Place(s, r) == IF None \in Range(s) THEN [s EXCEPT ![FirstHole(s)] = r] ELSE Append(s, r)
+RECURSIVE Fill(_, _)
+Fill(s, added) == IF added = <<>> THEN s ELSE Fill(Place(s, Head(added)), Tail(added))
+RECURSIVE Condense(_, _)
+Condense(s, hole) ==
+    LET t == TrimTail(s) IN
+    IF hole > Len(t) THEN t
+    ELSE IF t[hole] = None THEN Condense([Front(t) EXCEPT ![hole] = t[Len(t)]], hole + 1)
+    ELSE Condense(t, hole + 1)
+
+\* Removed requests leave holes, new ones fill the lowest holes then append, condense() closes the rest.
+NextRowOrder(rs, removed, added) ==
+    Condense(Fill([i \in DOMAIN rs |-> IF rs[i] \in removed THEN None ELSE rs[i]], added), 1)
+
+-----------------------------------------------------------------------------
+(* The machine's decision: async_machine.decide(), conditions in table order. *)
+
+CompositionChanged(o) == Range(o.prevReqIds) # Range(o.currReqIds)
+ShapeMismatch(o) == ~o.allDecode \/ o.pendingShape # o.inputShape \/ o.pendingDtype # o.inputDtype
+OrderChanged(o) == o.prevReqIds # o.currReqIds
+
+Decide(o) ==
+    IF ~o.hasPending THEN "NoPendingFuture"
+    ELSE IF CompositionChanged(o) THEN "CompositionBreak"
+    ELSE IF ShapeMismatch(o) THEN "ShapeMismatchRebuild"
+    ELSE IF OrderChanged(o) THEN "ReorderRemap"
+    ELSE "Steady"
+
+SampledDtype == "int32"     \* the program's output dtype, equal to the input_ids dtype
+\* A decode input is [bucket]; a prefill or mixed input is 2-D. Its sampled tokens are [rows]:
+\* a prefill step is not padded in rows.
+InputShape(n, allDecode) == IF allDecode THEN <<Bucket(n)>> ELSE <<n, 0>>
+OutputShape(n, allDecode) == IF allDecode THEN <<Bucket(n)>> ELSE <<n>>
+
+-----------------------------------------------------------------------------
+VARIABLES
+    \* Scheduler (engine core, main thread)
+    arrived,       \* how many of Requests have been added
+    status,        \* [r -> "absent" | "waiting" | "running" | "finished"]
+    phase,         \* [r -> "prefill" | "decode"]: is the prompt computed (as far as the scheduler knows)
+    chunks,        \* [r -> Nat]: prefill chunks scheduled so far
+    placeholders,  \* [r -> Nat]: sampled tokens of steps in flight (num_output_placeholders)
+    delivered,     \* [r -> Seq(token)]: what the client received
+    stopLen,       \* [r -> Nat]: outputs r had when it stopped or was aborted (history)
+    finishedIds,   \* requests finished since the previous schedule (finished_req_ids)
+    batchQueue,    \* steps the engine core enqueued and has not applied, oldest first
+    \* Worker
+    mstate,        \* AsyncStepMachine state
+    rows,          \* InputBatch row order
+    host,          \* [r -> Seq(token)]: the worker's CPU token state, by output index
+    pending,       \* the step whose future and output the async buffer holds (0: none)
+    cur,           \* the step being executed: scheduler output, observation, path
+    stateLock,     \* holder of the worker's CPU-state lock while it waits on an output
+    numAsync,      \* async_steps
+    numSync,       \* sync_fallback_steps
+    \* Device and outputs
+    steps,         \* Seq of step records, indexed by step id (step_id + 1)
+    outQueue,      \* steps queued to the async output thread, oldest first
+    pc             \* [thread -> program counter]
+
+vars == <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
+          mstate, rows, host, pending, cur, stateLock, numAsync, numSync, steps, outQueue, pc>>
+
+NoCur == [path |-> None]
+Token == (ReqSet \X Int) \cup {Poison, Prompt}
+
+TypeOK ==
+    /\ arrived \in 0..Len(Requests)
+    /\ status \in [ReqSet -> {"absent", "waiting", "running", "finished"}]
+    /\ phase \in [ReqSet -> {"prefill", "decode"}]
+    /\ chunks \in [ReqSet -> 0..MaxChunks]
+    /\ placeholders \in [ReqSet -> Nat]
+    /\ \A r \in ReqSet : delivered[r] \in Seq(Token) /\ stopLen[r] \in Nat
+    /\ finishedIds \subseteq ReqSet
+    /\ Range(batchQueue) \subseteq 1..Len(steps)
+    /\ mstate \in MachineStates
+    /\ Range(rows) \subseteq ReqSet
+    /\ \A r \in ReqSet : host[r] \in Seq(Token)
+    /\ pending \in 0..Len(steps)
+    /\ stateLock \in {"none", "main"}
+    /\ numAsync \in Nat /\ numSync \in Nat
+    /\ \A s \in 1..Len(steps) :
+        /\ DOMAIN steps[s] = {"rows", "outIdx", "input", "result", "path", "shape", "done", "ok", "mat", "lock"}
+        /\ steps[s].path \in PathStates
+        /\ steps[s].mat \in Nat /\ steps[s].lock \in Threads \cup {"none"}
+        /\ steps[s].done \in BOOLEAN /\ steps[s].ok \in BOOLEAN
+    /\ Range(outQueue) \subseteq 1..Len(steps)
+    /\ pc \in [Threads -> {"top", "get", "transfer", "exec", "wait", "failing", "dead"}]
+
+Init ==
+    /\ arrived = 0
+    /\ status = [r \in ReqSet |-> "absent"]
+    /\ phase = [r \in ReqSet |-> "prefill"]
+    /\ chunks = [r \in ReqSet |-> 0]
+    /\ placeholders = [r \in ReqSet |-> 0]
+    /\ delivered = [r \in ReqSet |-> <<>>]
+    /\ stopLen = [r \in ReqSet |-> MaxTokens[r]]
+    /\ finishedIds = {}
+    /\ batchQueue = <<>>
+    /\ mstate = "Idle"
+    /\ rows = <<>>
+    /\ host = [r \in ReqSet |-> <<>>]
+    /\ pending = 0
+    /\ cur = NoCur
+    /\ stateLock = "none"
+    /\ numAsync = 0
+    /\ numSync = 0
+    /\ steps = <<>>
+    /\ outQueue = <<>>
+    /\ pc = [main |-> "top", output |-> "get"]
+
+-----------------------------------------------------------------------------
+(* The client, between two turns of the engine loop (main thread).         *)
+
+AddRequest ==
+    /\ pc["main"] = "top"
+    /\ arrived < Len(Requests)
+    /\ status' = [status EXCEPT ![Requests[arrived + 1]] = "waiting"]
+    /\ arrived' = arrived + 1
+    /\ UNCHANGED <<phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue, mstate, rows, host,
+                   pending, cur, stateLock, numAsync, numSync, steps, outQueue, pc>>
+
+Stop(r) ==  \* r finishes now: nothing it samples later is delivered
+    /\ status' = [status EXCEPT ![r] = "finished"]
+    /\ stopLen' = [stopLen EXCEPT ![r] = Len(delivered[r])]
+    /\ finishedIds' = IF status[r] = "running" THEN finishedIds \cup {r} ELSE finishedIds
+
+Abort(r) ==
+    /\ pc["main"] = "top"
+    /\ r \in MayAbort
+    /\ status[r] \in {"waiting", "running"}
+    /\ Stop(r)
+    /\ UNCHANGED <<arrived, phase, chunks, placeholders, delivered, batchQueue, mstate, rows, host, pending, cur,
+                   stateLock, numAsync, numSync, steps, outQueue, pc>>
+
+-----------------------------------------------------------------------------
+(* The scheduler's choices for one step (scheduler.schedule). Running       *)
+(* requests are served in admission order, then waiting ones are admitted   *)
+(* FIFO into free slots. The token budget is abstract: it can run out, but  *)
+(* only on a prefill chunk, and a partial prefill chunk is always the last  *)
+(* request served. A decode is not scheduled when the tokens in flight      *)
+(* already reach max_tokens (the pipelining gap).                           *)
+
+IsRunning(r) == status[r] = "running"
+IsWaiting(r) == status[r] = "waiting"
+Schedulable(r) == phase[r] = "prefill" \/ Len(delivered[r]) + placeholders[r] < MaxTokens[r]
+
+Schedules ==
+    LET run == SelectSeq(Requests, IsRunning)
+        wait == SelectSeq(Requests, IsWaiting)
+        maxAdmit == Min(Len(wait), MaxSeqs - Len(run))
+        Choice(j, k) == [order |-> SelectSeq(SubSeq(run, 1, j), Schedulable) \o SubSeq(wait, 1, k),
+                         admitted |-> SubSeq(wait, 1, k),
+                         full |-> j = Len(run) /\ k = maxAdmit]
+        choices == {Choice(j, k) : j \in 0..Len(run), k \in 0..maxAdmit}
+        valid == {c \in choices : /\ c.order # <<>>
+                                  /\ Len(c.admitted) > 0 => \A i \in 1..Len(run) : run[i] \in Range(c.order)
+                                                                                   \/ ~Schedulable(run[i])
+                                  /\ ~c.full => \E i \in DOMAIN c.order : phase[c.order[i]] = "prefill"}
+        Last(c) == c.order[Len(c.order)]
+        \* A prefill request completes (samples its first token) unless it is the last one served
+        \* and the budget cut its chunk short.
+        Partial(c) == IF phase[Last(c)] = "prefill" /\ chunks[Last(c)] + 1 < MaxChunks
+                      THEN {{}, {Last(c)}} ELSE {{}}
+    IN UNION {{[order |-> c.order, admitted |-> c.admitted, partial |-> p] : p \in Partial(c)} : c \in valid}
+
+-----------------------------------------------------------------------------
+(* step: the engine core schedules, the worker observes and decides. One    *)
+(* action per path state (the machine's `step` trigger and its destination). *)
+
+Observation(curr, allDecode) ==
+    [hasPending |-> pending # 0,
+     prevReqIds |-> IF pending # 0 THEN steps[pending].rows ELSE <<>>,
+     currReqIds |-> curr,
+     allDecode |-> allDecode,
+     pendingShape |-> IF pending # 0 THEN steps[pending].shape ELSE <<>>,
+     pendingDtype |-> IF pending # 0 THEN SampledDtype ELSE None,
+     inputShape |-> InputShape(Len(curr), allDecode),
+     inputDtype |-> SampledDtype]
+
+\* Does the path materialize the pending output before inputs are built on the CPU?
+Materializes(path, allDecode) ==
+    \/ path = "CompositionBreak" /\ CompositionGuard
+    \/ path = "ShapeMismatchRebuild" /\ RebuildOnShapeMismatch /\ (allDecode \/ RebuildWhenNotAllDecode)
+
+\* What the worker makes of one scheduler choice: the row order after update, the observation,
+\* and the path the machine takes. Building the set evaluates every plan completely.
+Plan(sch) ==
+    LET scheduled == Range(sch.order)
+        order == NextRowOrder(rows, finishedIds \cap Range(rows), sch.admitted)
+        InStep(r) == r \in scheduled
+        curr == SelectSeq(order, InStep)
+        allDecode == \A r \in scheduled : phase[r] = "decode"
+        sampling == scheduled \ sch.partial
+        o == Observation(curr, allDecode)
+    IN [path |-> Decide(o), obs |-> o, order |-> order, curr |-> curr, allDecode |-> allDecode,
+        admitted |-> Range(sch.admitted), scheduled |-> scheduled, sampling |-> sampling,
+        decode |-> {r \in scheduled : phase[r] = "decode"},
+        \* the output index each row samples (0: a partial prefill chunk samples nothing)
+        outIdx |-> [i \in 1..Len(curr) |-> IF curr[i] \in sampling
+                                          THEN Len(delivered[curr[i]]) + placeholders[curr[i]] + 1
+                                          ELSE 0]]
+Plans == {Plan(sch) : sch \in Schedules}
+
+StepReady == pc["main"] = "top" /\ (Len(batchQueue) < Depth \/ ~BatchQueueBounded)
+
+TakePath(p) ==
+    /\ status' = [r \in ReqSet |-> IF r \in p.admitted THEN "running" ELSE status[r]]
+    /\ phase' = [r \in ReqSet |-> IF r \in p.sampling THEN "decode" ELSE phase[r]]
+    /\ chunks' = [r \in ReqSet |-> IF r \in p.sampling THEN 0 ELSE IF r \in p.scheduled THEN chunks[r] + 1 ELSE chunks[r]]
+    /\ placeholders' = [r \in ReqSet |-> IF r \in p.sampling THEN placeholders[r] + 1 ELSE placeholders[r]]
+    /\ finishedIds' = {}
+    /\ cur' = p
+    /\ mstate' = p.path
+    /\ LET async == p.path \in AsyncStates \/ (p.path = "ReorderRemap" /\ ~RemapIsSyncFallback) IN
+       /\ numAsync' = numAsync + (IF async THEN 1 ELSE 0)
+       /\ numSync' = numSync + (IF async THEN 0 ELSE 1)
+    \* Hazard: stale input ids. Break and rebuild paths bring the pending output to the host
+    \* before anything reads the CPU token state.
+    /\ pc' = [pc EXCEPT !["main"] = IF Materializes(p.path, p.allDecode) THEN "get" ELSE "exec"]
+    /\ stateLock' = IF Materializes(p.path, p.allDecode) /\ ~StateLockFreeWhileWaiting THEN "main" ELSE stateLock
+    /\ UNCHANGED <<arrived, delivered, stopLen, batchQueue, rows, host, pending, steps, outQueue>>
+
+NoPendingFuture == StepReady /\ \E p \in Plans : p.path = "NoPendingFuture" /\ TakePath(p)
+CompositionBreak == StepReady /\ \E p \in Plans : p.path = "CompositionBreak" /\ TakePath(p)
+ShapeMismatchRebuild == StepReady /\ \E p \in Plans : p.path = "ShapeMismatchRebuild" /\ TakePath(p)
+ReorderRemap == StepReady /\ \E p \in Plans : p.path = "ReorderRemap" /\ TakePath(p)
+Steady == StepReady /\ \E p \in Plans : p.path = "Steady" /\ TakePath(p)
+
+-----------------------------------------------------------------------------
+(* get_output(): the output thread on every output in order, the main thread *)
+(* on the pending one when it breaks the async flow.                         *)
+
+Target(t) == IF t = "main" THEN pending ELSE Head(outQueue)
+Calling(t) == IF t = "main" THEN pc["main"] = "get" ELSE pc["output"] = "get" /\ outQueue # <<>>
+Returned(t, ok) ==  \* get_output() returned (ok) or raised; the output thread resolves the engine's future
+    IF t = "main" THEN pc' = [pc EXCEPT !["main"] = IF ok THEN "exec" ELSE "failing"] /\ outQueue' = outQueue
+    ELSE pc' = [pc EXCEPT !["output"] = "get"] /\ outQueue' = Tail(outQueue)
+LockFree(s) == GetOutputLock => steps[s].lock = "none"
+
+GetOutput(t) ==  \* enter get_output(): take the output's lock; nothing materialized yet
+    /\ Calling(t)
+    /\ LockFree(Target(t))
+    /\ steps[Target(t)].mat = 0
+    /\ steps' = IF GetOutputLock THEN [steps EXCEPT ![Target(t)].lock = t] ELSE steps
+    /\ pc' = [pc EXCEPT ![t] = "transfer"]
+    /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
+                   mstate, rows, host, pending, cur, stateLock, numAsync, numSync, outQueue>>
+
+GetOutputCached(t) ==  \* get_output() on an output that is already materialized returns its result
+    /\ Calling(t)
+    /\ LockFree(Target(t))
+    /\ steps[Target(t)].mat > 0
+    /\ Returned(t, steps[Target(t)].ok)
+    /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
+                   mstate, rows, host, pending, cur, stateLock, numAsync, numSync, steps>>
+
+\* CachedRequestState.write_token: positions not written yet hold POISON_TOKEN.
+WriteAt(seq, k, v) == [j \in 1..(IF k > Len(seq) THEN k ELSE Len(seq)) |->
+                          IF j = k THEN v ELSE IF j <= Len(seq) THEN seq[j] ELSE Poison]
+HostTok(r, k) == IF k \in DOMAIN host[r] THEN host[r][k] ELSE Poison
+
+\* Write-back of step s's sampled tokens into the CPU token state.
+WriteBack(s) ==
+    LET st == steps[s]
+        \* Hazard: tokens written to the wrong request. The snapshot's ids, never the current rows.
+        Owner(i) == IF WriteBackBySnapshot THEN st.rows[i] ELSE IF i <= Len(rows) THEN rows[i] ELSE None
+        Written(r) == {i \in DOMAIN st.rows : st.outIdx[i] > 0 /\ Owner(i) = r}
+    IN [r \in ReqSet |->
+            IF Written(r) = {} THEN host[r]
+            ELSE LET i == CHOOSE i \in Written(r) : TRUE
+                 IN WriteAt(host[r], st.outIdx[i], st.result[i])]
+
+Materialize(t) ==  \* transfer to the host and write back; blocks until the program ran
+    /\ pc[t] = "transfer"
+    /\ steps[Target(t)].done
+    /\ stateLock \in {"none", "main"} /\ (stateLock = "main" => t = "main")  \* write-back takes the CPU-state lock
+    /\ host' = IF steps[Target(t)].ok THEN WriteBack(Target(t)) ELSE host  \* a failed program: the error
+    /\ steps' = [steps EXCEPT ![Target(t)].mat = @ + 1, ![Target(t)].lock = "none"]
+    /\ Returned(t, steps[Target(t)].ok)
+    /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
+                   mstate, rows, pending, cur, stateLock, numAsync, numSync>>
+
+-----------------------------------------------------------------------------
+(* reinstate: update the batch, build inputs as the path says, enqueue the   *)
+(* program, snapshot the row owners, refill the async buffer.                *)
+
+Reinstate ==
+    /\ pc["main"] = "exec"
+    /\ LET c == cur
+           s == Len(steps) + 1
+           prev == IF pending # 0 THEN steps[pending] ELSE [rows |-> <<>>]
+           FutureRow(i) == IF prev.outIdx[i] > 0 THEN prev.result[i] ELSE Poison
+           Input(i) ==
+               LET r == c.curr[i] IN
+               IF r \notin c.decode THEN Prompt
+               \* Device-to-device: the future is the input.
+               ELSE IF c.path = "Steady" THEN FutureRow(i)
+               \* Hazard: token ownership after condense(). Row i must get curr[i]'s token, not prev[i]'s.
+               ELSE IF c.path = "ReorderRemap" THEN
+                   IF RemapOnReorder THEN FutureRow(IndexOf(prev.rows, r)) ELSE FutureRow(i)
+               \* CPU-built: the host copy of r's previous output (POISON_TOKEN when not there yet).
+               ELSE HostTok(r, c.outIdx[i] - 1)
+           inputs == [i \in DOMAIN c.curr |-> Input(i)]
+           Result(i) ==
+               LET r == c.curr[i]
+                   k == c.outIdx[i]
+               IN IF k = 0 THEN Poison
+                  ELSE IF inputs[i] = Prompt \/ inputs[i] = Tok(r, k - 1) THEN Tok(r, k)
+                  ELSE Corrupt(r, k)
+       IN
+       /\ steps' = Append(steps, [rows |-> c.curr, outIdx |-> c.outIdx, input |-> inputs,
+                                  result |-> [i \in DOMAIN c.curr |-> Result(i)],
+                                  path |-> c.path, shape |-> OutputShape(Len(c.curr), c.allDecode),
+                                  done |-> FALSE, ok |-> TRUE, mat |-> 0, lock |-> "none"])
+       /\ rows' = c.order
+       /\ pending' = s
+       /\ batchQueue' = Append(batchQueue, s)
+       /\ outQueue' = Append(outQueue, s)
+       /\ pc' = [pc EXCEPT !["main"] = IF Len(batchQueue) + 1 < Depth \/ ~BatchQueueBounded THEN "top" ELSE "wait"]
+    /\ mstate' = "Reinstate"
+    /\ cur' = NoCur
+    /\ stateLock' = "none"
+    /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, host,
+                   numAsync, numSync>>
+
+-----------------------------------------------------------------------------
+(* The device and the rest of the engine loop.                               *)
+
+DeviceRun ==  \* programs run in enqueue order; each one's input future is the previous output
+    /\ \E s \in 1..Len(steps), ok \in IF AllowFailure THEN BOOLEAN ELSE {TRUE} :
+        /\ ~steps[s].done
+        /\ \A q \in 1..(s - 1) : steps[q].done
+        /\ steps' = [steps EXCEPT ![s].done = TRUE, ![s].ok = ok]
+    /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
+                   mstate, rows, host, pending, cur, stateLock, numAsync, numSync, outQueue, pc>>
+
+WaitOldest ==  \* the queue is full, or nothing can be scheduled: wait for the oldest output
+    /\ pc["main"] = "top"
+    /\ batchQueue # <<>>
+    /\ Len(batchQueue) = Depth \/ Schedules = {}
+    /\ pc' = [pc EXCEPT !["main"] = "wait"]
+    /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
+                   mstate, rows, host, pending, cur, stateLock, numAsync, numSync, steps, outQueue>>
+
+Resolved(s) == s \notin Range(outQueue)
+
+\* Requests whose newest token may turn out to be EOS or a stop token: any of them. (Trace
+\* validation overrides it with the ones its trace never schedules again, to prune early.)
+MayStop == ReqSet
+
+AdvanceStep ==  \* update_from_output: deliver the oldest step's tokens, discover stops
+    /\ pc["main"] = "wait"
+    /\ Resolved(Head(batchQueue))
+    /\ steps[Head(batchQueue)].ok  \* a failed output raises in the engine core instead: Drain
+    /\ LET st == steps[Head(batchQueue)]
+           sampled == {i \in DOMAIN st.rows : st.outIdx[i] > 0}
+           owner == [i \in sampled |-> st.rows[i]]
+           live == {i \in sampled : status[owner[i]] # "finished"}  \* others' tokens are discarded
+           Delivered(r) == IF \E i \in live : owner[i] = r
+                           THEN Append(delivered[r], st.result[CHOOSE i \in live : owner[i] = r])
+                           ELSE delivered[r]
+           newDelivered == [r \in ReqSet |-> Delivered(r)]
+           atMax == {owner[i] : i \in {j \in live : Len(newDelivered[owner[j]]) >= MaxTokens[owner[j]]}}
+       IN
+       \* EOS or a stop token: known only now that the token is on the host.
+       \E eos \in SUBSET ({owner[i] : i \in live} \cap MayStop) :
+           LET stopped == eos \cup atMax IN
+           /\ delivered' = newDelivered
+           /\ placeholders' = [r \in ReqSet |-> IF r \in Range(owner) THEN placeholders[r] - 1 ELSE placeholders[r]]
+           /\ status' = [r \in ReqSet |-> IF r \in stopped THEN "finished" ELSE status[r]]
+           /\ stopLen' = [r \in ReqSet |-> IF r \in stopped THEN Len(newDelivered[r]) ELSE stopLen[r]]
+           /\ finishedIds' = finishedIds \cup stopped
+    /\ batchQueue' = Tail(batchQueue)
+    /\ pc' = [pc EXCEPT !["main"] = "top"]
+    /\ UNCHANGED <<arrived, phase, chunks, mstate, rows, host, pending, cur, stateLock, numAsync, numSync, steps,
+                   outQueue>>
+
+drainable == {"top", "get", "exec", "wait", "failing"}
+
+\* The engine died (a failed program, or any other error): every queued output resolves, the
+\* buffer is dropped, every unfinished request ends.
+Drain ==
+    /\ AllowFailure
+    /\ pc["main"] \in drainable
+    /\ outQueue = <<>> /\ pc["output"] = "get"
+    /\ mstate' = "Idle"
+    /\ pending' = 0
+    /\ batchQueue' = <<>>
+    /\ stateLock' = "none"
+    /\ status' = [r \in ReqSet |-> IF status[r] \in {"waiting", "running"} THEN "finished" ELSE status[r]]
+    /\ stopLen' = [r \in ReqSet |-> IF status[r] \in {"waiting", "running"} THEN Len(delivered[r]) ELSE stopLen[r]]
+    /\ pc' = [pc EXCEPT !["main"] = "dead"]
+    /\ UNCHANGED <<arrived, phase, chunks, placeholders, delivered, finishedIds, rows, host, cur, numAsync, numSync,
+                   steps, outQueue>>
+
+Terminated ==
+    \/ pc["main"] = "dead"
+    \/ /\ arrived = Len(Requests)
+       /\ \A r \in ReqSet : status[r] = "finished"
+       /\ batchQueue = <<>> /\ outQueue = <<>>
+       /\ pc["main"] = "top"
+
+Done == Terminated /\ UNCHANGED vars  \* keeps TLC from calling a finished run a deadlock
+
+Sys ==
+    \/ NoPendingFuture \/ CompositionBreak \/ ShapeMismatchRebuild \/ ReorderRemap \/ Steady
+    \/ Reinstate
+    \/ \E t \in Threads : GetOutput(t) \/ GetOutputCached(t) \/ Materialize(t)
+    \/ DeviceRun \/ WaitOldest \/ AdvanceStep
+
+Next ==
+    \/ Sys
+    \/ AddRequest \/ \E r \in ReqSet : Abort(r)
+    \/ Drain
+    \/ Done
+
+OutputThread == \E t \in Threads : GetOutput(t) \/ GetOutputCached(t) \/ Materialize(t)
+
+\* Fairness only for the output thread (and the main thread inside get_output) and the device:
+\* materializing an output never needs the engine loop to take another turn.
+Spec == Init /\ [][Next]_vars /\ WF_vars(OutputThread) /\ WF_vars(DeviceRun)
+
+-----------------------------------------------------------------------------
+(* Invariants                                                                *)
+
+\* No output is materialized twice, and the engine core never applies an output that was not.
+ExactlyOnceMaterializationInv ==
+    \A s \in 1..Len(steps) :
+        /\ steps[s].mat <= 1
+        /\ Resolved(s) => steps[s].mat = 1
+
+\* Every token a request receives was sampled for it, in order, none lost, duplicated or late.
+TokenOwnershipInv ==
+    \* a row's input is its own request's previous token (or prompt / not-yet-on-host)
+    /\ \A s \in 1..Len(steps) : \A i \in DOMAIN steps[s].rows :
+        steps[s].input[i] \in {Prompt, Poison, Tok(steps[s].rows[i], steps[s].outIdx[i] - 1)}
+    \* the worker's CPU state holds only the request's own tokens, at their positions
+    /\ \A r \in ReqSet : \A k \in DOMAIN host[r] : host[r][k] \in {Tok(r, k), Poison}
+    \* the client got r's tokens 1..n in order; nothing after its stop or abort
+    /\ \A r \in ReqSet :
+        /\ delivered[r] = [k \in 1..Len(delivered[r]) |-> Tok(r, k)]
+        /\ Len(delivered[r]) <= stopLen[r]
+
+\* No step computes on CPU-built input ids whose newest token still lived only in a future.
+NoStaleInputInv ==
+    \A s \in 1..Len(steps) : \A i \in DOMAIN steps[s].rows : steps[s].input[i] # Poison
+
+\* Every forward step is counted once, as async or as sync fallback, and only Steady is async.
+CounterInv ==
+    LET paths == [s \in 1..Len(steps) |-> steps[s].path] \o (IF cur = NoCur THEN <<>> ELSE <<cur.path>>)
+        Count(P) == Cardinality({i \in DOMAIN paths : paths[i] \in P})
+    IN /\ numAsync = Count(AsyncStates)
+       /\ numSync = Count(PathStates \ AsyncStates)
+       /\ numAsync + numSync = Len(paths)
+
+\* At most Depth steps in flight: scheduled and not applied by the engine core, unresolved, or not run.
+PipelineDepthInv ==
+    /\ Len(batchQueue) + (IF cur # NoCur /\ pc["main"] \in {"get", "transfer", "exec"} THEN 1 ELSE 0) <= Depth
+    /\ Len(outQueue) <= Depth
+    /\ Cardinality({s \in 1..Len(steps) : ~steps[s].done}) <= Depth
+
+\* Liveness: every output of a step the device ran is eventually materialized.
+EventuallyMaterializedProp ==
+    LET Ran(s) == s <= Len(steps) /\ steps[s].done
+        Materialized(s) == s <= Len(steps) /\ steps[s].mat >= 1
+    IN \A s \in 1..StepBound : Ran(s) ~> Materialized(s)
+
+=============================================================================

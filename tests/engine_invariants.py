@@ -1,0 +1,206 @@
+"""What the engine-level tests hold the async engine to: a per-request reference decode and the checks
+they share (stateful engine machine, aborts, soak). Test-side only; reads engine internals, never changes them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from neuron_async_sm import LLM, SamplingParams
+from neuron_async_sm.model import TINY_LLAMA, TINY_LLAMA_CONFIG, ModelSpec, build_step_program, generate_alone
+from neuron_async_sm.worker import async_machine as sm
+from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput, StepSnapshot
+from neuron_async_sm.worker.input_batch import POISON_TOKEN
+
+TERMINAL = frozenset({"stop", "length", "abort", "error"})
+EOS = frozenset(TINY_LLAMA_CONFIG.eos_token_ids)
+
+# Small enough to hit every path quickly: 4 slots (waiting queue), a 16-token budget (chunked
+# prefill), decode buckets 1/2/4 (bucket changes), 64 positions (max_model_len stops).
+# float64: a request's tokens do not depend on the batch it ran in (see docs/design.md).
+SMALL_ENGINE = dict(
+    dtype="float64",
+    max_num_seqs=4,
+    max_model_len=64,
+    max_num_batched_tokens=16,
+    prefill_buckets=(8, 16),
+    decode_buckets=(1, 2, 4),
+)
+
+
+class Reference:
+    """Each request decoded alone (`generate_alone` on a private one-slot program): the tokens it must emit.
+
+    Sampling is a pure function of (logits, seed, output index), so a request's tokens do not depend on
+    its batch; `full()` ignores stops, `expected()` applies the scheduler's stop rules to it.
+    """
+
+    def __init__(self, max_model_len: int, dtype: str = "float64", seed: int = 0) -> None:
+        self.max_model_len = max_model_len
+        self.program = build_step_program(ModelSpec(TINY_LLAMA, dtype, 1, max_model_len, seed))
+        self._cache: dict[tuple, tuple[int, ...]] = {}
+
+    def full(self, prompt: list[int], params: SamplingParams, seed: int) -> tuple[int, ...]:
+        """Every token the request may sample: up to max_tokens and max_model_len, stops ignored."""
+        n = min(params.max_tokens, self.max_model_len - len(prompt))
+        greedy = params.temperature == 0  # greedy ignores seed, top_k and top_p
+        key = (tuple(prompt),) if greedy else (tuple(prompt), params.temperature, params.top_k, params.top_p, seed)
+        cached = self._cache.get(key, ())
+        if len(cached) < n:
+            sampling = {} if greedy else dict(temperature=params.temperature, top_k=params.top_k,
+                                              top_p=params.top_p, seed=seed)  # fmt: skip
+            # One torch thread: the device process computes at the same time, and two host threads
+            # spinning at OpenMP barriers beside it made this ~7x slower on a 2-core machine.
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                cached = tuple(generate_alone(self.program, prompt, n, **sampling))
+            finally:
+                torch.set_num_threads(threads)
+            self._cache[key] = cached
+        return cached[:n]
+
+    @staticmethod
+    def expected(full: tuple[int, ...], params: SamplingParams) -> tuple[tuple[int, ...], str]:
+        """The tokens and finish reason of a request that runs to its end (the scheduler's stop order)."""
+        for i, token in enumerate(full):
+            if (token in EOS and not params.ignore_eos) or token in params.stop_token_ids:
+                return full[: i + 1], "stop"
+        return full, "length"
+
+
+@dataclass
+class Tracked:
+    """One request as the client saw it, next to what the reference says it must see."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    full: tuple[int, ...]  # reference tokens, stops ignored
+    expected: tuple[int, ...]  # reference tokens up to and including the stop
+    expected_reason: str
+    emitted: list[int] = field(default_factory=list)
+    finish: str | None = None
+    error: str | None = None
+
+    def check(self) -> None:
+        """Prefix of the reference, in order, never past a stop; a natural finish is exactly the reference."""
+        rid, emitted = self.request_id, self.emitted
+        assert emitted == list(self.full[: len(emitted)]), f"{rid}: {emitted} is not a prefix of {self.full}"
+        assert len(emitted) <= len(self.expected), f"{rid}: tokens past the stop: {emitted} vs {self.expected}"
+        if self.finish in ("stop", "length"):
+            assert (tuple(self.emitted), self.finish) == (self.expected, self.expected_reason), (
+                f"{rid} finished {self.finish} with {self.emitted}; reference {self.expected_reason} {self.expected}"
+            )
+        if self.finish == "error":
+            assert self.error, f"{rid}: error without a message"
+
+
+class Spy:
+    """Records every async output a runner creates and every token write-back, without changing them;
+    on request, makes the write-back of one step raise (an output-thread fault).
+
+    Installed as instance attributes over the runner's own methods (the output captures `_write_back`
+    when it is created), so the engine's code paths are exactly the ones that run in production.
+    """
+
+    def __init__(self, llm: LLM) -> None:
+        runner = llm.engine.runner
+        self.outputs: list[AsyncModelRunnerOutput] = []
+        self.write_backs: list[tuple[StepSnapshot, list[int]]] = []  # appended by whichever thread materializes
+        self.explode_at_step: int | None = None  # this step's write-back raises, in whichever thread runs it
+        real_sample, real_write_back = runner.sample_tokens, runner._write_back
+
+        def sample_tokens():
+            output = real_sample()
+            if isinstance(output, AsyncModelRunnerOutput):
+                self.outputs.append(output)
+            return output
+
+        def write_back(snapshot: StepSnapshot, tokens: list[int]) -> None:
+            if snapshot.step_id == self.explode_at_step:
+                raise RuntimeError(f"write-back exploded at step {snapshot.step_id}")
+            self.write_backs.append((snapshot, list(tokens)))
+            real_write_back(snapshot, tokens)
+
+        runner.sample_tokens = sample_tokens
+        runner._write_back = write_back
+
+    def check_materialized(self, llm: LLM) -> None:
+        """At most once for every output; exactly once for every step the engine core has applied."""
+        queued = {scheduled.step_id for scheduled, _ in llm.engine.batch_queue or ()}
+        still_open = []
+        for output in self.outputs:
+            count = output.materialize_count
+            assert count <= 1, f"step {output.step_id} materialized {count} times"
+            if output.step_id in queued:
+                still_open.append(output)
+            else:
+                assert count == 1, f"step {output.step_id} left the batch queue but was materialized {count} times"
+        self.outputs = still_open  # checked for good: forget them (keeps long runs flat)
+
+    def check_ownership(self, tracked: dict[str, Tracked]) -> None:
+        """Every written-back token is the reference token of the request named in that row of its snapshot."""
+        log, self.write_backs = self.write_backs, []
+        for snapshot, tokens in log:
+            for req_id, position, token in zip(snapshot.req_ids, snapshot.sample_positions, tokens, strict=True):
+                if position is None:  # a partial prefill chunk's row samples nothing
+                    continue
+                request = tracked[req_id]
+                index = position - len(request.prompt)
+                assert 0 <= index < len(request.full), f"step {snapshot.step_id}: {req_id} sampled output #{index}"
+                assert token == request.full[index], (
+                    f"step {snapshot.step_id}: row of {req_id} got {token}, its reference #{index} is "
+                    f"{request.full[index]} (a token of another request?)"
+                )
+
+
+def check_slots(llm: LLM) -> None:
+    """KV slots: every slot is free or held by exactly one running request; never freed twice."""
+    scheduler = llm.engine.scheduler
+    held = [r.kv_slot for r in scheduler.running]
+    assert sorted(scheduler._free_slots + held) == list(range(llm.config.max_num_seqs)), (
+        f"free {scheduler._free_slots} + held {held}"
+    )
+    assert all(r.kv_slot is None for r in scheduler.waiting)
+    worker_slots = [s.kv_slot for s in llm.engine.runner.batch.requests.values()]
+    assert len(set(worker_slots)) == len(worker_slots), f"two worker rows share a KV slot: {worker_slots}"
+
+
+def check_machine(llm: LLM) -> None:
+    """Between steps the machine rests (Idle or Reinstate, matching the buffer) and the counters add up."""
+    engine, runner = llm.engine, llm.engine.runner
+    machine = runner.machine
+    assert machine.state in (sm.IDLE, sm.REINSTATE), f"between steps in {machine.state}"
+    assert (machine.state == sm.REINSTATE) == (runner.buffer is not None), (machine.state, runner.buffer)
+    assert machine.async_steps + machine.sync_fallback_steps == engine.num_steps, (machine.counters(), engine.num_steps)
+    assert sum(machine.state_counts.values()) == engine.num_steps, (machine.counters(), engine.num_steps)
+    assert machine.async_steps == machine.state_counts[sm.STEADY], f"only Steady is async: {machine.counters()}"
+
+
+def check_worker_tokens(llm: LLM, tracked: dict[str, Tracked]) -> None:
+    """The worker's host copy of every request is its prompt + reference tokens (or POISON while in a future)."""
+    for req_id, state in llm.engine.runner.batch.requests.items():
+        request = tracked.get(req_id)
+        if request is None or (request.prompt, request.seed) != (state.prompt_token_ids, state.seed):
+            continue  # a previous owner of a recycled id, removed at the next schedule
+        assert state.token_ids[: len(request.prompt)] == request.prompt
+        for index, token in enumerate(state.token_ids[len(request.prompt) :]):
+            assert token in (POISON_TOKEN, request.full[index]), f"{req_id}: worker holds {token} at output #{index}"
+
+
+def check_scheduler_bounded(llm: LLM) -> None:
+    """The scheduler tracks a finished request only while a step in flight still mentions it."""
+    scheduler = llm.engine.scheduler
+    for req_id, request in scheduler.requests.items():
+        assert not request.is_finished or scheduler._in_flight_steps[req_id] > 0, f"{req_id} lingers"
+    assert set(scheduler._in_flight_steps) == set(scheduler.requests)
+
+
+def engine_threads(before: set[threading.Thread]) -> set[threading.Thread]:
+    """Threads started since `before` was taken (an engine's output thread, device receiver, device loop)."""
+    return set(threading.enumerate()) - before

@@ -1,0 +1,79 @@
+"""`neuron-async-sm bench` on a tiny workload: the JSON report has every field, finite and positive.
+
+Timings on a shared machine vary run to run: nothing here compares a time against a threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from neuron_async_sm.bench.metrics import compare, percentile
+from neuron_async_sm.bench.sweep import ideal_speedup
+from neuron_async_sm.bench.workloads import WORKLOADS, build_workload
+from neuron_async_sm.cli import main
+
+PER_MODE = (
+    "tokens_per_s", "steps_per_s", "step_ms", "busy_s", "host_ms_per_step", "device_ms_per_step", "wait_ms_per_step",
+    "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p99",
+)  # fmt: skip
+
+
+def test_bench_writes_a_complete_report(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--workload", "steady", "--num-requests", "2", "--output-tokens", "6", "--repetitions", "2",
+            "--warmup", "0", "--json", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    for mode in ("sync", "async"):
+        for field in PER_MODE:
+            value = report[mode][field]
+            assert isinstance(value, float) and math.isfinite(value) and value > 0, (mode, field, value)
+        assert report[mode]["output_tokens"] == 2 * 6
+    for field in ("speedup", "ideal_speedup", "C_ms", "D_ms", "D_over_C"):
+        assert math.isfinite(report[field]) and report[field] > 0, field
+    assert 1.0 <= report["ideal_speedup"] <= 2.0  # (C + D) / max(C, D), whatever the timings
+    assert math.isfinite(report["overlap_efficiency"])  # may be negative on a noisy machine
+    assert 0.0 <= report["async_step_fraction"] <= 1.0
+    assert sum(report["state_counts"].values()) == report["async"]["steps"]
+    assert report["sync"]["serial_s"] >= report["sync"]["ideal_s"] > 0
+    assert {r["mode"] for r in report["runs"]} == {"sync", "async"} and len(report["runs"]) == 4
+
+
+def test_overlap_figures_follow_their_definitions() -> None:
+    # C = 1 ms, D = 2 ms per step, 10 steps: T_sync = 30 ms, T_ideal = 20 ms; async took 22 ms.
+    sync = {"busy_s": 0.030, "serial_s": 0.030, "ideal_s": 0.020, "host_ms_per_step": 1.0, "device_ms_per_step": 2.0}
+    result = compare([sync], [{"busy_s": 0.022}])
+    assert result["speedup"] == pytest.approx(30 / 22)
+    assert result["ideal_speedup"] == pytest.approx(1.5) == pytest.approx(ideal_speedup(2.0))
+    assert result["overlap_efficiency"] == pytest.approx(8 / 10)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_workloads_are_deterministic_and_fit_the_engine(name: str) -> None:
+    first, again = build_workload(name), build_workload(name)
+    assert first == again
+    assert all(len(r.prompt_token_ids) + r.sampling_params.max_tokens < 512 for r in first.requests)
+    assert len({r.request_id for r in first.tagged("x")}) == first.num_requests
+
+
+def test_plots_are_written(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from neuron_async_sm.bench.plots import write_plots
+
+    point = {"D_over_C": 1.0, "speedup": 1.8}
+    rows = [{"batch": b, "sync_host_us": 100.0 * b, "async_host_us": 90.0 * b} for b in (1, 2)]
+    report = {
+        "sweep": {"model": "micro-llama", "batch": 2, "points": [point]},
+        "host_cost_batch": {"rows": rows},
+        "vs_transformers": {"new_tokens": 4, "transformers_threads": [1], "rows": [
+            {"batch": 1, "ours_tokens_per_s": 10.0, "transformers_tokens_per_s": 5.0, "ratio": 2.0}]},
+    }  # fmt: skip
+    paths = write_plots(report, tmp_path)
+    assert [p.name for p in paths] == ["bench_speedup_vs_dc.png", "bench_host_cost_batch.png",
+                                       "bench_vs_transformers.png"]  # fmt: skip
+    assert all(p.stat().st_size > 1000 for p in paths)

@@ -1,0 +1,468 @@
+"""The real async engine (threads, device process, tiny-llama in float64) against a per-request reference.
+
+A hypothesis state machine whose rules are what a client and the world can do between engine steps:
+add a request, abort one (running, waiting, or already finished), step, run until idle, force a
+`condense()` reorder, send invalid input, recycle a finished request id, make a device program fail,
+and replace the engine that failure killed. After every rule the invariants of docs/testing.md hold.
+
+The reference is each request decoded alone (`tests/engine_invariants.py::Reference`): sampling is a
+pure function of (logits, seed, output index), so the tokens a request must emit do not depend on
+what ran beside it. The engine is reused across examples (a device process costs ~1 s to start):
+each example leaves it idle, and only a dead or tainted one is replaced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+from collections import Counter
+
+import pytest
+from engine_invariants import (
+    SMALL_ENGINE,
+    TERMINAL,
+    Reference,
+    Spy,
+    Tracked,
+    check_machine,
+    check_scheduler_bounded,
+    check_slots,
+    check_worker_tokens,
+    engine_threads,
+)
+from hypothesis import event, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from neuron_async_sm import LLM, EngineDeadError, InvalidRequestError, SamplingParams
+from neuron_async_sm.worker import async_machine as sm
+
+VOCAB = 1024
+MAX_MODEL_LEN = SMALL_ENGINE["max_model_len"]
+MAX_STEPS_TO_IDLE = 2_000  # far above any example's need: reaching it means the engine stopped making progress
+
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return [random.Random(seed * 131 + i).randrange(VOCAB) for i in range(length)]
+
+
+# A prompt is drawn as (length, seed), not token by token: dozens of requests per example would
+# otherwise overrun hypothesis's per-example data budget. The length shrinks; contents barely matter.
+PROMPTS = st.builds(_prompt, st.integers(1, MAX_MODEL_LEN - 1), st.integers(0, 2**16))
+SHORT_PROMPTS = st.builds(_prompt, st.integers(1, 8), st.integers(0, 2**16))
+SAMPLING = st.fixed_dictionaries(
+    dict(
+        max_tokens=st.integers(1, 16),
+        temperature=st.sampled_from([0.0, 0.7, 1.3]),
+        top_k=st.sampled_from([0, 1, 5, 50]),
+        top_p=st.sampled_from([1.0, 0.9, 0.5]),
+        seed=st.none() | st.integers(0, 2**31),
+        ignore_eos=st.booleans(),
+    )
+)
+STOP_PICK = st.none() | st.integers(0, 15)  # make the reference's n-th token a stop token (when it is known)
+EXTRA_STOPS = st.lists(st.integers(3, VOCAB - 1), max_size=3)
+
+_REFERENCE: Reference | None = None
+_ENGINES: dict[str, tuple[LLM, Spy, set[threading.Thread]]] = {}  # device -> engine reused across examples
+_EXAMPLES = itertools.count()  # request ids are unique across examples: the engine outlives them
+COVERAGE: Counter[str] = Counter()  # path states and events over every example of this session
+
+
+def reference() -> Reference:
+    global _REFERENCE
+    if _REFERENCE is None:
+        _REFERENCE = Reference(MAX_MODEL_LEN)
+    return _REFERENCE
+
+
+def _new_engine(device: str) -> tuple[LLM, Spy, set[threading.Thread]]:
+    before = set(threading.enumerate())
+    llm = LLM("tiny-llama", device=device, async_scheduling=True, **SMALL_ENGINE, **ENGINE_EXTRA[device])
+    COVERAGE["engines started"] += 1
+    return llm, Spy(llm), engine_threads(before)
+
+
+def _discard_engine(device: str, *, check: bool = True) -> None:
+    llm, _, threads = _ENGINES.pop(device)
+    llm.close()
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not check or not thread.is_alive(), f"{thread.name} outlived its engine"
+
+
+def _reusable(llm: LLM, spy: Spy) -> bool:
+    """Alive, idle and passing every engine-wide check. Otherwise a failed example left it tainted, and
+    reusing it would make the replay of that failure fail at once, with a story that explains nothing."""
+    if llm.engine.dead_reason or llm.has_unfinished_requests() or llm.engine.scheduler.requests:
+        return False
+    try:
+        check_slots(llm)
+        check_machine(llm)
+        check_scheduler_bounded(llm)
+        spy.check_materialized(llm)
+    except AssertionError:
+        return False
+    return not spy.outputs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_engines():
+    yield
+    for device in list(_ENGINES):
+        _discard_engine(device)
+
+
+class EngineVsReference(RuleBasedStateMachine):
+    """Rules: the client and the world between steps. Invariants: docs/testing.md, checked after each rule."""
+
+    DEVICE = "cpu"
+    FAULT_PERCENT = 10  # examples that may inject a program failure (each costs a new engine)
+
+    def __init__(self) -> None:
+        super().__init__()
+        entry = _ENGINES.get(self.DEVICE)
+        if entry is not None and not _reusable(entry[0], entry[1]):
+            _discard_engine(self.DEVICE, check=False)
+            entry = None
+        if entry is None:
+            entry = _ENGINES[self.DEVICE] = _new_engine(self.DEVICE)
+        self.llm, self.spy, self.threads = entry
+        self.spy.write_backs.clear()  # all checked by the previous example, or by a discarded engine
+        self.example, self.ids_made = next(_EXAMPLES), 0
+        self.tracked: dict[str, Tracked] = {}  # request id -> its latest incarnation (creation order)
+        self.retired: list[Tracked] = []  # earlier incarnations of recycled ids, and requests of dead engines
+        self.faults_allowed = False
+        self.armed: str | None = None  # a fault is injected and has not fired yet: what the death will say
+        self.steps_at_start = self.llm.engine.num_steps
+        self.counts_at_start = dict(self.llm.engine.runner.machine.state_counts)
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def _new_id(self) -> str:
+        # Candidates for a draw are listed in creation order, never sorted by id: ids differ between a
+        # run and its replay, and a sorted order would make the same draw pick another request (flaky).
+        self.ids_made += 1
+        return f"x{self.example}-r{self.ids_made}"
+
+    @property
+    def alive(self) -> bool:
+        return self.llm.engine.dead_reason is None
+
+    @property
+    def dead(self) -> bool:
+        return not self.alive
+
+    def _add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        rid = self.llm.add_request(prompt, params, request_id or self._new_id())
+        seed = self.llm.engine.scheduler.requests[rid].seed  # the effective seed (drawn if params.seed is None)
+        full = reference().full(prompt, params, seed)
+        expected, reason = Reference.expected(full, params)
+        if rid in self.tracked:
+            self.retired.append(self.tracked[rid])
+        self.tracked[rid] = Tracked(rid, list(prompt), params, seed, full, expected, reason)
+        stops = f" stops={list(params.stop_token_ids)}" if params.stop_token_ids else ""
+        note(
+            f"add {rid}: prompt[{len(prompt)}] max_tokens={params.max_tokens} T={params.temperature} "
+            f"top_k={params.top_k} top_p={params.top_p} seed={params.seed}{stops} ignore_eos={params.ignore_eos}"
+            f" -> reference {reason} after {len(expected)}"
+        )
+        return rid
+
+    def _apply(self, deltas) -> None:
+        for delta in deltas:
+            request = self.tracked[delta.request_id]
+            assert request.finish is None, f"{delta.request_id} got {delta} after it finished {request.finish}"
+            assert delta.finish_reason is None or delta.finish_reason in TERMINAL, delta
+            request.emitted.extend(delta.new_token_ids)
+            request.finish, request.error = delta.finish_reason, delta.error
+
+    def _step(self) -> None:
+        machine = self.llm.engine.runner.machine
+        before = dict(machine.state_counts)
+        deltas = self.llm.step()
+        self._apply(deltas)
+        paths = [s for s, n in machine.state_counts.items() if n > before[s]]
+        told = ", ".join(
+            f"{d.request_id}+{d.new_token_ids}" + (f" {d.finish_reason}" if d.finish_reason else "") for d in deltas
+        )
+        note(f"step {self.llm.engine.num_steps}: {paths[0] if paths else 'nothing enqueued'}; {told or 'no output'}")
+        if self.dead:
+            note(f"engine died: {self.llm.engine.dead_reason}")
+            assert self.armed and self.armed in self.llm.engine.dead_reason, "the engine died on its own"
+            self.armed = None
+            COVERAGE["engine deaths"] += 1
+            self._check_died_cleanly()
+
+    def _until_idle(self) -> None:
+        for _ in range(MAX_STEPS_TO_IDLE):
+            if self.dead or not self.llm.has_unfinished_requests():
+                return
+            self._step()
+        raise AssertionError(f"not idle after {MAX_STEPS_TO_IDLE} steps: the engine stopped making progress")
+
+    def _check_died_cleanly(self) -> None:
+        """A program failure: every in-flight request ended in error, nothing pending, no thread left behind."""
+        engine = self.llm.engine
+        assert not engine.batch_queue and engine.runner.buffer is None
+        assert engine.runner.machine.state == sm.IDLE  # drained
+        assert not self.llm.has_unfinished_requests()
+        for thread in self.threads:
+            thread.join(timeout=10)
+            assert not thread.is_alive(), f"{thread.name} still runs after the engine died"
+
+    def _live_ids(self) -> set[str]:
+        scheduler = self.llm.engine.scheduler
+        return {r.request_id for r in scheduler.running} | {r.request_id for r in scheduler.waiting}
+
+    # -- rules --------------------------------------------------------------------------------------
+
+    @initialize(roll=st.integers(0, 99))
+    def choose_faults(self, roll: int) -> None:
+        self.faults_allowed = roll < self.FAULT_PERCENT
+        note(f"engine on device={self.DEVICE!r}, faults {'allowed' if self.faults_allowed else 'off'}")
+
+    @rule(prompt=PROMPTS, sampling=SAMPLING, stop_pick=STOP_PICK, extra_stops=EXTRA_STOPS)
+    def add_request(self, prompt: list[int], sampling: dict, stop_pick: int | None, extra_stops: list[int]) -> None:
+        params = SamplingParams(**sampling, stop_token_ids=tuple(extra_stops))
+        if self.dead:  # a later call gets a clear error, and changes nothing
+            note("add to the dead engine")
+            with pytest.raises(EngineDeadError, match="engine is dead: "):
+                self.llm.add_request(prompt, params)
+            return
+        known_seed = params.temperature == 0 or params.seed is not None
+        if stop_pick is not None and known_seed:  # a stop the request really reaches
+            full = reference().full(prompt, params, params.seed or 0)
+            if stop_pick < len(full):
+                params = SamplingParams(**sampling, stop_token_ids=(*extra_stops, full[stop_pick]))
+        self._add(prompt, params)
+
+    @precondition(lambda self: self.alive and self.llm.engine.scheduler.running)
+    @rule(data=st.data())
+    def abort_running(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from([r.request_id for r in self.llm.engine.scheduler.running]))
+        self._abort(rid)
+
+    @precondition(lambda self: self.alive and self.llm.engine.scheduler.waiting)
+    @rule(data=st.data())
+    def abort_waiting(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from([r.request_id for r in self.llm.engine.scheduler.waiting]))
+        self._abort(rid)
+
+    def _abort(self, rid: str) -> None:
+        delta = self.llm.abort(rid)
+        note(f"abort {rid} -> {delta}")
+        assert delta is not None and delta.finish_reason == "abort" and not delta.new_token_ids
+        self._apply([delta])
+        assert rid not in self._live_ids()
+        COVERAGE["aborts"] += 1
+
+    @precondition(lambda self: any(r.finish for r in self.tracked.values()))
+    @rule(data=st.data())
+    def abort_finished(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from([r for r, t in self.tracked.items() if t.finish]))
+        note(f"abort finished {rid}")
+        assert self.llm.abort(rid) is None  # no second finish, nothing else changes
+
+    @rule()
+    def advance_step(self) -> None:
+        if self.dead:
+            note("step the dead engine")
+            with pytest.raises(EngineDeadError, match="engine is dead: "):
+                self.llm.step()
+            return
+        self._step()
+
+    @precondition(lambda self: self.alive)
+    @rule()
+    def advance_until_idle(self) -> None:
+        self._until_idle()
+
+    @precondition(lambda self: self.alive)
+    @rule(prompt=SHORT_PROMPTS, short=st.integers(1, 3), extra=st.integers(2, 6))
+    def finish_middle_slot(self, prompt: list[int], short: int, extra: int) -> None:
+        """Three requests side by side; the middle one stops first, so condense() moves the last into its row."""
+        long_params = SamplingParams(max_tokens=short + extra, ignore_eos=True)
+        ids = [
+            self._add(prompt, long_params),
+            self._add(prompt, SamplingParams(max_tokens=short, ignore_eos=True)),
+            self._add(prompt, long_params),
+        ]
+        middle = self.tracked[ids[1]]
+        for _ in range(MAX_STEPS_TO_IDLE):
+            if middle.finish or self.dead:
+                break
+            self._step()
+        for _ in range(2):  # the step that drops it from the set, then the one after condense()
+            if self.alive and self.llm.has_unfinished_requests():
+                self._step()
+
+    @precondition(lambda self: self.alive)
+    @rule(kind=st.sampled_from(["vocab", "empty", "too_long", "duplicate"]), prompt=PROMPTS)
+    def add_invalid_request(self, kind: str, prompt: list[int]) -> None:
+        """Rejected with a message naming the field; nothing else changes."""
+        scheduler = self.llm.engine.scheduler
+        before = (list(scheduler.requests), [r.request_id for r in scheduler.running], len(scheduler.waiting))
+        live = [r for r in self.tracked if r in self._live_ids()]
+        request_id, field = None, "prompt_token_ids"
+        if kind == "vocab":
+            prompt = [*prompt[:-1], VOCAB]
+        elif kind == "empty":
+            prompt = []
+        elif kind == "too_long":
+            prompt = (prompt * MAX_MODEL_LEN)[:MAX_MODEL_LEN]
+        elif live:
+            request_id, field = live[0], "request_id"
+        else:
+            prompt = [-1]
+        note(f"add invalid ({kind}) id={request_id} prompt[{len(prompt)}]")
+        with pytest.raises(InvalidRequestError, match=f"^{field}: "):
+            self.llm.add_request(prompt, SamplingParams(), request_id or self._new_id())
+        after = (list(scheduler.requests), [r.request_id for r in scheduler.running], len(scheduler.waiting))
+        assert after == before
+
+    @precondition(lambda self: self.alive and any(r.finish for r in self.tracked.values()))
+    @rule(data=st.data(), prompt=PROMPTS, sampling=SAMPLING)
+    def recycle_finished_id(self, data: st.DataObject, prompt: list[int], sampling: dict) -> None:
+        """A finished request's id is reused: refused while a step in flight still mentions it, then accepted."""
+        rid = data.draw(st.sampled_from([r for r, t in self.tracked.items() if t.finish]))
+        self.spy.check_ownership(self.tracked)  # every write-back so far belongs to the old incarnation
+        params = SamplingParams(**sampling)
+        if rid in self.llm.engine.scheduler.requests:
+            note(f"recycle {rid}: refused, a step in flight still mentions it")
+            with pytest.raises(InvalidRequestError, match="^request_id: duplicate"):
+                self.llm.add_request(prompt, params, rid)
+        else:
+            note(f"recycle {rid}")
+            self._add(prompt, params, rid)
+            COVERAGE["recycled ids"] += 1
+
+    @precondition(lambda self: self.alive and self.faults_allowed and not self.armed)
+    @rule(after=st.integers(0, 3))
+    def inject_failure(self, after: int) -> None:
+        note(f"the program enqueued {after} programs from now will fail")
+        self.llm.engine.runtime.inject_failure(after=after)
+        self.armed = "injected failure"
+        COVERAGE["failures injected"] += 1
+
+    @precondition(lambda self: self.alive and self.faults_allowed and not self.armed)
+    @rule(after=st.integers(0, 3))
+    def fail_write_back(self, after: int) -> None:
+        """The materialization of a coming step raises: in the async output thread, or in the main thread
+        when a break materializes it first. Surfaced to the client as errors, never swallowed, never a hang."""
+        step = self.llm.engine.scheduler._next_step_id + after
+        note(f"the write-back of step {step} will raise")
+        self.spy.explode_at_step = step
+        self.armed = "write-back exploded"
+        COVERAGE["write-back faults"] += 1
+
+    @precondition(lambda self: self.dead)
+    @rule()
+    def replace_dead_engine(self) -> None:
+        """A new engine in the same process works (the invariants hold for it from here on)."""
+        self.retired.extend(self.tracked.values())
+        self.tracked = {}
+        _discard_engine(self.DEVICE)
+        self.llm, self.spy, self.threads = _ENGINES[self.DEVICE] = _new_engine(self.DEVICE)
+        self.steps_at_start, self.counts_at_start = 0, dict(self.llm.engine.runner.machine.state_counts)
+        note("replaced the dead engine")
+
+    # -- invariants (docs/testing.md) ---------------------------------------------------------------
+
+    @invariant()
+    def tokens_are_reference_prefixes(self) -> None:
+        COVERAGE["invariant checks"] += 1  # once after initialization and after every rule
+        for request in [*self.tracked.values(), *self.retired]:
+            request.check()
+
+    @invariant()
+    def outputs_materialized_once(self) -> None:
+        self.spy.check_materialized(self.llm)
+
+    @invariant()
+    def tokens_owned_by_snapshot_rows(self) -> None:
+        self.spy.check_ownership(self.tracked)
+        check_worker_tokens(self.llm, self.tracked)
+
+    @invariant()
+    def machine_legal_and_counters_add_up(self) -> None:
+        check_machine(self.llm)
+
+    @invariant()
+    def requests_that_left_have_terminal_results(self) -> None:
+        live = self._live_ids()
+        for rid, request in self.tracked.items():
+            if rid in live:
+                assert request.finish is None, f"{rid} still runs but the client saw {request.finish}"
+            else:
+                assert request.finish in TERMINAL, f"{rid} left the engine without a terminal result"
+        assert all(r.finish in TERMINAL for r in self.retired)
+
+    @invariant()
+    def kv_slots_and_scheduler_bounded(self) -> None:
+        check_slots(self.llm)
+        check_scheduler_bounded(self.llm)
+
+    def teardown(self) -> None:
+        """Leave the shared engine idle for the next example; retire it if a failure is still armed."""
+        if self.alive and not self.armed:
+            self._until_idle()
+        if self.alive and not self.armed:
+            self.spy.check_materialized(self.llm)
+            assert not self.spy.outputs, "idle, yet an output was never applied"
+            assert self.llm.engine.scheduler.requests == {}, "idle, yet the scheduler still tracks requests"
+            assert len(self.llm.engine.runner.batch.requests) <= self.llm.config.max_num_seqs
+            for request in self.tracked.values():
+                request.check()
+                assert request.finish in TERMINAL
+        elif self.DEVICE in _ENGINES and _ENGINES[self.DEVICE][0] is self.llm:
+            _discard_engine(self.DEVICE)  # dead, or a failure armed that would fire in the next example
+        counts = self.llm.engine.runner.machine.state_counts
+        reached = [s for s in sm.PATH_STATES if counts[s] > self.counts_at_start.get(s, 0)]
+        for state in reached:
+            event(f"reached {state}")
+            COVERAGE[state] += 1
+        COVERAGE["examples"] += 1
+        COVERAGE["steps"] += self.llm.engine.num_steps - self.steps_at_start
+
+
+class EngineOnDeviceProcess(EngineVsReference):
+    DEVICE = "cpu"  # the default backend: the device is a separate process, host and device overlap
+    FAULT_PERCENT = 10
+
+
+class EngineInProcess(EngineVsReference):
+    DEVICE = "cpu-inprocess"  # the device loop on a thread: a dead engine is cheap to replace, so more faults
+    FAULT_PERCENT = 50
+
+
+# The in-process engine also runs under back-pressure: with a runtime queue of one program, every
+# enqueue of the two-deep pipeline waits for the device.
+ENGINE_EXTRA: dict[str, dict] = {"cpu": {}, "cpu-inprocess": {"runtime_queue_depth": 1}}
+
+
+_SHARE = {"cpu": 0.5, "cpu-inprocess": 0.5}  # of the profile's max_examples
+
+
+def _settings(device: str) -> settings:
+    return settings(max_examples=max(1, int(settings.default.max_examples * _SHARE[device])))
+
+
+TestEngineOnDeviceProcess = EngineOnDeviceProcess.TestCase
+TestEngineOnDeviceProcess.settings = _settings("cpu")
+TestEngineInProcess = EngineInProcess.TestCase
+TestEngineInProcess.settings = _settings("cpu-inprocess")
+
+
+def test_stateful_runs_reach_every_path_state_and_fault():
+    """Coverage of the runs above (this session): every path state, aborts, recycled ids and a failure."""
+    if COVERAGE["examples"] == 0:
+        pytest.skip("the stateful engine tests did not run in this session")
+    print(f"stateful engine coverage: {dict(COVERAGE)}")
+    missing = [s for s in sm.PATH_STATES if COVERAGE[s] == 0]
+    assert not missing, f"no example reached {missing}: {dict(COVERAGE)}"
+    assert COVERAGE["aborts"] and COVERAGE["recycled ids"], dict(COVERAGE)
+    if COVERAGE["examples"] >= 100:  # faults are drawn per example: a short (dev) run may miss them
+        assert COVERAGE["engine deaths"], dict(COVERAGE)

@@ -1,0 +1,206 @@
+"""The step machine alone: the pure `decide()` and the `transitions` machine against the table read by hand.
+
+One rule per row of `async_machine.TRANSITIONS`, named like it (`step_to_<dest>`, `reinstate`, `drain`),
+so the rules line up with the TLA+ actions and the trace events. Each step rule builds an observation
+of the situation its row names (first step, set changed, shape mismatch or prefill, reorder, steady)
+and checks that both `decide()` and the machine take that row; the observations deliberately make
+later rows' conditions true as well, so "first matching row wins" is exercised. No torch, no engine.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from transitions import MachineError
+
+from neuron_async_sm.worker import async_machine as sm
+from neuron_async_sm.worker.input_batch import next_row_order
+
+POOL = tuple("abcdefghij")  # request ids
+SAMPLED = "torch.int32"  # dtype of a sampled-token future, and of input_ids
+IDS = st.lists(st.sampled_from(POOL), min_size=1, max_size=8, unique=True).map(tuple)
+REST_STATES = (sm.IDLE, sm.REINSTATE)
+RUNS: Counter[str] = Counter()  # examples and checks over the session, for the report
+
+
+@dataclass(frozen=True)
+class Step:
+    """One forward step as the machine's observation sees it."""
+
+    req_ids: tuple[str, ...]
+    all_decode: bool
+    input_shape: tuple[int, ...]  # decode: [bucket]; prefill: [rows, bucket]
+    input_dtype: str = SAMPLED
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        return (self.input_shape[0],)  # one sampled token per padded row (a prefill is not padded in rows)
+
+
+def decode(req_ids: tuple[str, ...], pad: int = 0) -> Step:
+    return Step(req_ids, True, (len(req_ids) + pad,))
+
+
+def prefill(req_ids: tuple[str, ...], length: int = 16) -> Step:
+    return Step(req_ids, False, (len(req_ids), length))
+
+
+class AsyncStepMachineVsTable(RuleBasedStateMachine):
+    """Model: the state, the pending step and the counters the table says; the SUT: AsyncStepMachine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reported: list[tuple[str, str, str]] = []
+        self.machine = sm.AsyncStepMachine(on_transition=lambda *t: self.reported.append(t))
+        self.expected: list[tuple[str, str, str]] = []
+        self.state = sm.IDLE
+        self.pending: Step | None = None  # the step whose sampled-token future the buffer holds
+        self.current: Step | None = None  # the step in progress (machine in a path state)
+        self.counts: Counter[str] = Counter()
+        RUNS["examples"] += 1
+
+    def _observe(self, step: Step) -> sm.StepObservation:
+        pending = self.pending
+        return sm.StepObservation(
+            has_pending=pending is not None,
+            prev_req_ids=pending.req_ids if pending else (),
+            curr_req_ids=step.req_ids,
+            all_decode=step.all_decode,
+            pending_shape=pending.output_shape if pending else (),
+            pending_dtype=SAMPLED if pending else "",
+            input_shape=step.input_shape,
+            input_dtype=step.input_dtype,
+        )
+
+    def _step(self, dest: str, step: Step) -> None:
+        obs = self._observe(step)
+        note(f"step -> {dest}: {obs}")
+        assert sm.decide(obs) == dest
+        assert self.machine.begin_step(obs) == dest
+        self.expected.append(("step", self.state, dest))
+        self.state, self.current = dest, step
+        self.counts[dest] += 1
+
+    # -- one rule per transition ------------------------------------------------------------------
+
+    @precondition(lambda self: self.state == sm.IDLE)
+    @rule(req_ids=IDS, is_decode=st.booleans(), pad=st.integers(0, 3))
+    def step_to_NoPendingFuture(self, req_ids: tuple[str, ...], is_decode: bool, pad: int) -> None:
+        """First step, or first after a drain: nothing pending, whatever the step looks like."""
+        self._step(sm.NO_PENDING_FUTURE, decode(req_ids, pad) if is_decode else prefill(req_ids))
+
+    @precondition(lambda self: self.state == sm.REINSTATE)
+    @rule(data=st.data(), is_decode=st.booleans(), pad=st.integers(0, 3))
+    def step_to_CompositionBreak(self, data: st.DataObject, is_decode: bool, pad: int) -> None:
+        """The set changed (finished, aborted, joined, unscheduled): wins over shape and order."""
+        prev = self.pending.req_ids
+        removed = data.draw(st.sets(st.sampled_from(prev)), label="removed")
+        unused = [r for r in POOL if r not in prev]
+        added = data.draw(st.lists(st.sampled_from(unused), unique=True, max_size=3), label="added") if unused else []
+        if not removed and not added:  # same set: change it by the smallest step
+            removed = {prev[-1]} if len(prev) > 1 else set()
+            added = [] if removed else [unused[0]]
+        curr = tuple(next_row_order(list(prev), frozenset(removed), added)) or (unused[0],)
+        self._step(sm.COMPOSITION_BREAK, decode(curr, pad) if is_decode else prefill(curr))
+
+    @precondition(lambda self: self.state == sm.REINSTATE)
+    @rule(data=st.data(), cause=st.sampled_from(["prefill", "bucket", "dtype"]))
+    def step_to_ShapeMismatchRebuild(self, data: st.DataObject, cause: str) -> None:
+        """Same set (any order: rebuild wins over remap), but the future cannot be this step's input."""
+        curr = tuple(data.draw(st.permutations(self.pending.req_ids), label="order"))
+        pending_rows = self.pending.output_shape[0]
+        if cause == "prefill":  # a chunked prefill continues, or the first decode input is 2-D
+            step = prefill(curr)
+        elif cause == "bucket":  # first decode after a prefill ([rows] vs a padded bucket), or a bucket change
+            bucket = data.draw(st.integers(len(curr), 8).filter(lambda b: b != pending_rows), label="bucket")
+            step = Step(curr, True, (bucket,))
+        else:
+            step = Step(curr, True, (pending_rows,), "torch.int64")
+        self._step(sm.SHAPE_MISMATCH_REBUILD, step)
+
+    @precondition(lambda self: self.state == sm.REINSTATE and len(self.pending.req_ids) >= 2)
+    @rule(data=st.data())
+    def step_to_ReorderRemap(self, data: st.DataObject) -> None:
+        """Same set, same shape, all decode, but condense() moved rows."""
+        prev = self.pending.req_ids
+        curr = tuple(data.draw(st.permutations(prev), label="order"))
+        if curr == prev:
+            curr = prev[1:] + prev[:1]
+        self._step(sm.REORDER_REMAP, Step(curr, True, self.pending.output_shape))
+
+    @precondition(lambda self: self.state == sm.REINSTATE)
+    @rule()
+    def step_to_Steady(self) -> None:
+        """Same set, same order, all decode, same shape and dtype: the future is the input."""
+        self._step(sm.STEADY, Step(self.pending.req_ids, True, self.pending.output_shape))
+
+    @precondition(lambda self: self.state in sm.PATH_STATES)
+    @rule()
+    def reinstate(self) -> None:
+        self.machine.end_step()
+        self.expected.append(("reinstate", self.state, sm.REINSTATE))
+        self.state, self.pending, self.current = sm.REINSTATE, self.current, None
+
+    @rule()
+    def drain(self) -> None:
+        """A failure or shutdown, at any point: the pending future is dropped."""
+        self.machine.drop_pending()
+        self.expected.append(("drain", self.state, sm.IDLE))
+        self.state, self.pending, self.current = sm.IDLE, None, None
+
+    # -- what the table forbids ---------------------------------------------------------------------
+
+    @rule(req_ids=IDS)
+    def refuse_illegal_trigger(self, req_ids: tuple[str, ...]) -> None:
+        """`reinstate` outside a step, `step` inside one, or an observation that contradicts the buffer."""
+        before = (self.machine.state, self.machine.counters())
+        if self.state in REST_STATES:
+            with pytest.raises(MachineError):
+                self.machine.end_step()
+            lying = sm.StepObservation(self.pending is None, ("z",) if self.pending is None else (),
+                                       req_ids, True, (1,), SAMPLED, (len(req_ids),), SAMPLED)  # fmt: skip
+            with pytest.raises(ValueError, match="has_pending"):
+                self.machine.begin_step(lying)
+        else:
+            with pytest.raises(MachineError):
+                self.machine.begin_step(self._observe(decode(req_ids)))
+        assert (self.machine.state, self.machine.counters()) == before
+
+    # -- invariants ---------------------------------------------------------------------------------
+
+    @invariant()
+    def state_is_the_tables(self) -> None:
+        RUNS["invariant checks"] += 1  # once at the start and after every rule
+        assert self.machine.state == self.state
+        assert self.machine.state in sm.STATES
+        if self.state in REST_STATES:  # during a step the buffer still holds the previous step's future
+            assert (self.state == sm.REINSTATE) == (self.pending is not None)
+
+    @invariant()
+    def only_steady_counts_as_async(self) -> None:
+        assert self.machine.async_steps == self.counts[sm.STEADY]
+        assert self.machine.async_steps + self.machine.sync_fallback_steps == sum(self.counts.values())
+        assert self.machine.state_counts == {s: self.counts[s] for s in sm.PATH_STATES}
+
+    @invariant()
+    def every_transition_reported_once(self) -> None:
+        assert self.reported == self.expected
+
+
+TestAsyncStepMachine = AsyncStepMachineVsTable.TestCase
+TestAsyncStepMachine.settings = settings(max_examples=settings.default.max_examples * 2)
+
+
+def test_one_rule_per_transition_named_like_it():
+    """Adding a row to TRANSITIONS without a rule here (or renaming one) fails this test."""
+    table = {f"{row['trigger']}_to_{row['dest']}" if row["trigger"] == "step" else row["trigger"]
+             for row in sm.TRANSITIONS}  # fmt: skip
+    # hypothesis marks @rule methods with this attribute (stateful.RULE_MARKER)
+    rules = {name for name, f in vars(AsyncStepMachineVsTable).items() if hasattr(f, "hypothesis_stateful_rule")}
+    assert rules - table == {"refuse_illegal_trigger"}
+    assert table <= rules
