@@ -35,23 +35,16 @@ ENGINE = dict(
 SEEDS = (5, 6, 9, 12, 13)  # together they reach every path state, stops, max_tokens and aborts
 
 
-def record(path: Path, seed: int, **overrides: object) -> tuple[list[dict], dict[str, int], dict[str, str | None]]:
-    """Run one seeded workload on a fresh engine; return its trace, the token limits and finish reasons."""
+def record(path: Path, seed: int, **overrides: object) -> tuple[list[dict], dict[str, str | None]]:
+    """Run one seeded workload on a fresh engine; return its trace and the requests' finish reasons."""
     items = random_workload(random.Random(seed), f"s{seed}")
-    config = {**ENGINE, **overrides}
-    with LLM("tiny-llama", async_scheduling=True, trace_path=str(path), **config) as llm:
+    with LLM("tiny-llama", async_scheduling=True, trace_path=str(path), **{**ENGINE, **overrides}) as llm:
         result = drive(llm, items)
-    limits = {w.request_id: min(w.params.max_tokens, config["max_model_len"] - len(w.prompt)) for w in items}
-    return read_trace(path), limits, result.finish
-
-
-def check(events: list[dict], limits: dict[str, int]) -> TraceVerdict:
-    return check_trace(events, max_num_seqs=ENGINE["max_num_seqs"], decode_buckets=ENGINE["decode_buckets"],
-                       max_tokens=limits)  # fmt: skip
+    return read_trace(path), result.finish
 
 
 @pytest.fixture(scope="module")
-def recorded(tlc_available, tmp_path_factory) -> dict[int, tuple[list[dict], dict[str, int], dict]]:
+def recorded(tlc_available, tmp_path_factory) -> dict[int, tuple[list[dict], dict[str, str | None]]]:
     folder = tmp_path_factory.mktemp("traces")
     return {seed: record(folder / f"seed{seed}.ndjson", seed) for seed in SEEDS}
 
@@ -59,7 +52,7 @@ def recorded(tlc_available, tmp_path_factory) -> dict[int, tuple[list[dict], dic
 @pytest.fixture(scope="module")
 def verdicts(recorded) -> dict[int, TraceVerdict]:
     with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
-        futures = {seed: pool.submit(check, events, limits) for seed, (events, limits, _) in recorded.items()}
+        futures = {seed: pool.submit(check_trace, events) for seed, (events, _) in recorded.items()}
         return {seed: future.result() for seed, future in futures.items()}
 
 
@@ -72,7 +65,7 @@ def test_real_engine_trace_is_a_behaviour_of_the_spec(verdicts, seed):
 
 def test_recorded_traces_cover_every_path_both_threads_and_every_finish(recorded):
     paths, threads, finishes = Counter(), Counter(), Counter()
-    for events, _, finish in recorded.values():
+    for events, finish in recorded.values():
         paths.update(e["state"] for e in events if e["event"] == "step")
         threads.update(e["thread"] for e in events if e["event"] == "Materialize")
         finishes.update(finish.values())
@@ -82,32 +75,33 @@ def test_recorded_traces_cover_every_path_both_threads_and_every_finish(recorded
 
 
 def test_a_trace_with_a_wrong_decision_is_rejected_at_that_event(recorded):
-    events, limits, _ = recorded[SEEDS[0]]
+    events, _ = recorded[SEEDS[0]]
     i = next(i for i, e in enumerate(events) if e["event"] == "step" and e["state"] == sm.STEADY)
     wrong = [dict(e) for e in events]
     wrong[i]["state"] = sm.REORDER_REMAP
-    if i + 1 < len(wrong) and wrong[i + 1]["event"] == "reinstate":
+    if wrong[i + 1]["event"] == "reinstate":
         wrong[i + 1]["source"] = sm.REORDER_REMAP
-    verdict = check(wrong, limits)
+    verdict = check_trace(wrong)
     assert not verdict.accepted
-    assert verdict.matched == i, verdict.describe()
+    assert verdict.rejected_event == wrong[i], verdict.describe()
 
 
 def test_trace_of_an_engine_without_the_get_output_lock_is_rejected(tlc_available, tmp_path, monkeypatch):
     # Test-only hook: get_output() without its lock. Both threads then materialize one output.
     monkeypatch.setattr(AsyncModelRunnerOutput, "lock_factory", contextlib.nullcontext)
     for seed in SEEDS:
-        events, limits, _ = record(tmp_path / f"broken{seed}.ndjson", seed, device_time_ms=5)
+        events, _ = record(tmp_path / f"broken{seed}.ndjson", seed, device_time_ms=5)
         per_step = Counter(e["step"] for e in events if e["event"] == "Materialize")
         if max(per_step.values(), default=0) > 1:
             break
     else:
         pytest.fail("no run without the lock materialized an output twice")
-    verdict = check(events, limits)
+    verdict = check_trace(events)
     print(f"broken run, seed {seed}: {verdict.describe()}")
     assert not verdict.accepted
     rejected = verdict.rejected_event
     assert rejected is not None, verdict.describe()
     assert rejected["event"] == "Materialize", json.dumps(rejected)
-    earlier = [e for e in events[: verdict.matched] if e["event"] == "Materialize" and e["step"] == rejected["step"]]
+    matched = verdict.events[: verdict.matched]
+    earlier = [e for e in matched if e["event"] == "Materialize" and e["step"] == rejected["step"]]
     assert earlier, f"event {verdict.matched} is not a second materialization: {json.dumps(rejected)}"

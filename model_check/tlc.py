@@ -31,9 +31,9 @@ EXIT_PARSE = (150, 151)
 
 # -tool message codes (tlc2.output.EC)
 MSG_INVARIANT_VIOLATED = 2110
-MSG_DEADLOCK = 2114
 MSG_STATS = 2199
-_MESSAGE = re.compile(r"@!@!@STARTMSG (\d+):\d+ @!@!@\n(.*?)@!@!@ENDMSG \1 @!@!@\n?", re.S)
+SEVERITY_ERROR = 1
+_MESSAGE = re.compile(r"@!@!@STARTMSG (\d+):(\d+) @!@!@\n(.*?)@!@!@ENDMSG \1 @!@!@\n?", re.S)
 _NOISE = re.compile(r"(Parsing file|Semantic processing of module) ")
 _STATS = re.compile(r"([\d,]+) states generated, ([\d,]+) distinct states found")
 
@@ -45,20 +45,20 @@ class TlcResult:
     exit_code: int
     output: str
     elapsed_s: float
-    messages: list[tuple[int, str]] = field(default_factory=list)  # (code, text), in order
+    messages: list[tuple[int, int, str]] = field(default_factory=list)  # (code, severity, text), in order
     printed: list[str] = field(default_factory=list)  # lines outside messages: Print/PrintT output
     dot_path: Path | None = None  # the state graph, when asked for
 
     @property
     def distinct_states(self) -> int | None:
-        for code, text in reversed(self.messages):
+        for code, _, text in reversed(self.messages):
             if code == MSG_STATS and (m := _STATS.search(text)):
                 return int(m.group(2).replace(",", ""))
         return None
 
     @property
     def violated_invariant(self) -> str | None:
-        for code, text in self.messages:
+        for code, _, text in self.messages:
             if code == MSG_INVARIANT_VIOLATED and (m := re.search(r"Invariant (\w+) is violated", text)):
                 return m.group(1)
         return None
@@ -77,9 +77,9 @@ class TlcResult:
         return f"error {self.exit_code}"
 
     def errors(self) -> str:
-        """The messages TLC flagged as errors (severity 1), for assertion messages."""
-        return "\n".join(text.strip() for code, text in self.messages if 1000 <= code < 2000 or code in (
-            MSG_INVARIANT_VIOLATED, MSG_DEADLOCK)) or self.output[-3000:]
+        """The messages TLC flagged as errors, for assertion messages (else the end of its output)."""
+        errors = [text.strip() for _, severity, text in self.messages if severity == SEVERITY_ERROR]
+        return "\n".join(errors) or self.output[-3000:]
 
 
 def tla(value: object) -> str:
@@ -145,6 +145,6 @@ def run_tlc(
         proc = subprocess.run(cmd, cwd=spec_dir, capture_output=True, text=True, timeout=timeout_s)
         elapsed = time.perf_counter() - started
     output = proc.stdout + proc.stderr
-    messages = [(int(m.group(1)), m.group(2)) for m in _MESSAGE.finditer(output)]
+    messages = [(int(m.group(1)), int(m.group(2)), m.group(3)) for m in _MESSAGE.finditer(output)]
     printed = [line for line in _MESSAGE.sub("", output).splitlines() if line.strip() and not _NOISE.match(line)]
     return TlcResult(proc.returncode, output, elapsed, messages, printed, dump_dot)

@@ -29,7 +29,7 @@ _MATCHED = re.compile(r'<<"matched", (\d+), (\d+)>>')
 class TraceVerdict:
     """How far TLC could follow a trace, and the first event it could not take."""
 
-    events: list[dict]
+    events: list[dict]  # the logged events, as recorded (without the header)
     matched: int  # events matched, in order, from the start
     tlc: TlcResult
 
@@ -53,6 +53,14 @@ def read_trace(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def trace_config(events: list[dict]) -> dict:
+    """The engine constants in the trace's header event."""
+    for e in events:
+        if e["event"] == "config":
+            return e
+    raise ValueError("the trace has no `config` header event (written by ModelRunner when tracing)")
+
+
 def trace_records(events: Iterable[dict]) -> list[dict]:
     """The logged events as records of one shape (fields an event lacks get neutral values).
 
@@ -65,6 +73,8 @@ def trace_records(events: Iterable[dict]) -> list[dict]:
     snapshot: dict[int, list[str]] = {}  # step -> its rows, by name
     records = []
     for e in events:
+        if e["event"] == "config":
+            continue
         if e["event"] not in LOGGED_EVENTS:
             raise ValueError(f"unknown trace event {e['event']!r} (seq {e.get('seq')})")
         if e["thread"] not in THREADS:
@@ -86,6 +96,7 @@ def trace_records(events: Iterable[dict]) -> list[dict]:
             "thread": e["thread"],
             "req_ids": req_ids,
             "new": [current[r] for r in new],
+            "max_tokens": list(e.get("max_tokens", [])) if new else [],
             "source": "" if materialize else e["source"],
             "state": "" if materialize else e["state"],
             "sampled": [p is not None for p in e["positions"]] if materialize else [],
@@ -95,31 +106,32 @@ def trace_records(events: Iterable[dict]) -> list[dict]:
     return records
 
 
-def trace_log_module(
-    events: list[dict],
-    *,
-    max_num_seqs: int,
-    decode_buckets: Iterable[int],
-    max_tokens: Mapping[str, int] | None = None,
-    default_max_tokens: int = 512,
-) -> str:
-    """`TraceLog.tla`: the trace and the engine constants it ran with.
+def trace_log_module(events: list[dict]) -> str:
+    """`TraceLog.tla`: the trace and the engine constants it ran with (its `config` header).
 
     Requests are listed in admission order (the step events' `new`), which is their arrival order:
     the scheduler admits FIFO. A request the trace never admits (aborted while waiting) is invisible
-    and left out. `max_tokens` maps a request id to min(max_tokens, max_model_len - prompt length);
-    other requests (and reused ids) get `default_max_tokens`.
+    and left out. Each request's output limit comes with its admission (`max_tokens`).
     """
+    config = trace_config(events)
     records = trace_records(events)
     order: list[str] = []
-    last_step: dict[str, int] = {}
+    limits: dict[str, int] = {}
+    last_step: dict[str, int] = {}  # request -> index of the last step event scheduling it
+    admitted_at: dict[str, int] = {}  # request -> index of the step event admitting it
+    next_step = [0] * (len(records) + 2)  # index -> index of the first step event at or after it
     for i, r in enumerate(records, start=1):
         if r["event"] == "step":
             order += r["new"]
+            limits.update(zip(r["new"], r["max_tokens"], strict=True))
+            admitted_at.update((req_id, i) for req_id in r["new"])
             for req_id in r["req_ids"]:
                 last_step[req_id] = i
-    limits = {r: (max_tokens or {}).get(r, default_max_tokens) for r in order}
-    chunks = max(limits.values(), default=1) + 64  # a bound only: the trace says when a prompt completes
+    following = 0
+    for i in range(len(records), 0, -1):
+        following = i if records[i - 1]["event"] == "step" else following
+        next_step[i] = following
+    chunks = config["max_model_len"]  # a bound only (a chunk has a token at least): the trace says when
     fn = "[r \\in {" + ", ".join(tla(r) for r in order) + "} |-> CASE " if order else None
 
     def function(values: Mapping[str, int]) -> str:
@@ -135,8 +147,10 @@ def trace_log_module(
         f"TraceReqSet == {{{', '.join(tla(r) for r in order)}}}",
         f"TraceMaxTokens == {function(limits)}",
         f"TraceLastStep == {function(last_step)}",
-        f"TraceMaxSeqs == {max_num_seqs}",
-        f"TraceBuckets == {{{', '.join(str(b) for b in sorted(set(decode_buckets)))}}}",
+        f"TraceAdmittedAt == {function(admitted_at)}",
+        f"TraceNextStep == {tla(next_step[1:])}",  # indexed 1..Len(TraceEvents) + 1
+        f"TraceMaxSeqs == {config['max_num_seqs']}",
+        f"TraceBuckets == {tla(set(config['decode_buckets']))}",
         f"TraceMaxChunks == {chunks}",
         # Programs may fail only in a trace that shows a failure: an error or a drained engine.
         f"TraceAllowFailure == {tla(any(r['event'] == 'drain' or not r['ok'] for r in records))}",
@@ -148,16 +162,9 @@ def trace_log_module(
     return "\n".join(lines) + "\n"
 
 
-def check_trace(
-    events: list[dict],
-    *,
-    max_num_seqs: int,
-    decode_buckets: Iterable[int],
-    max_tokens: Mapping[str, int] | None = None,
-    timeout_s: float = 300,
-) -> TraceVerdict:
-    """Replay `events` against the spec with TLC; report how far it got."""
-    module = trace_log_module(events, max_num_seqs=max_num_seqs, decode_buckets=decode_buckets, max_tokens=max_tokens)
+def check_trace(events: list[dict], *, timeout_s: float = 300) -> TraceVerdict:
+    """Replay an async engine's trace against the spec with TLC; report how far it got."""
+    module = trace_log_module(events)
     with tempfile.TemporaryDirectory(prefix="trace-check-") as scratch:
         work = Path(scratch)
         for name in SPEC_MODULES:
@@ -168,4 +175,20 @@ def check_trace(
     for line in result.printed:
         if m := _MATCHED.search(line):
             matched = max(matched, int(m.group(1)))
-    return TraceVerdict(list(events), matched, result)
+    return TraceVerdict([e for e in events if e["event"] != "config"], matched, result)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python model_check/trace_check.py TRACE.ndjson`: is an async engine's trace a behaviour of the spec?"""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("trace", type=Path, help="an NDJSON trace written with --trace / LLM(trace_path=...)")
+    args = parser.parse_args(argv)
+    verdict = check_trace(read_trace(args.trace))
+    print(verdict.describe())
+    return 0 if verdict.accepted else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,6 +6,7 @@ engine reads environment variables or re-validates.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 DEVICES = ("cpu", "cpu-inprocess")
@@ -39,6 +40,9 @@ class EngineConfig:
     runtime_queue_depth: int = 32  # in-flight programs before enqueue blocks (Neuron worker default)
     device_time_ms: float = 0.0  # emulated accelerator: hold each program at least this long
     device_threads: int = 1  # torch threads inside the emulated device
+    # The CPU the emulated device process owns (as an accelerator has its own silicon); the engine's
+    # own threads keep off it. None: no pinning. Matters on a busy machine with few cores.
+    device_cpu: int | None = None
     max_concurrent_batches: int = 2  # batch queue depth in async mode (the design fixes it at 2)
     stats_log_interval_s: float = 10.0
     trace_path: str | None = None  # NDJSON trace of machine transitions and materializations
@@ -55,6 +59,8 @@ class EngineConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("runtime_queue_depth", self.runtime_queue_depth)
         _positive("device_threads", self.device_threads)
+        if self.device_cpu is not None:
+            _device_cpu(self.device_cpu, self.device)
         if not isinstance(self.device_time_ms, (int, float)) or isinstance(self.device_time_ms, bool):
             raise ConfigError(f"device_time_ms: must be a number, got {self.device_time_ms!r}")
         if not self.device_time_ms >= 0:  # also rejects NaN
@@ -91,6 +97,18 @@ def _bucket(buckets: tuple[int, ...], n: int, name: str) -> int:
         if size >= n:
             return size
     raise ConfigError(f"{name}: no bucket holds {n}")
+
+
+def _device_cpu(cpu: object, device: str) -> None:
+    if device != "cpu":
+        raise ConfigError(f"device_cpu: pinning needs the device process (device='cpu'), got device={device!r}")
+    if not hasattr(os, "sched_setaffinity"):
+        raise ConfigError("device_cpu: this platform cannot pin a process to a CPU")
+    cpus = os.cpu_count() or 1
+    if not isinstance(cpu, int) or isinstance(cpu, bool) or not 0 <= cpu < cpus:
+        raise ConfigError(f"device_cpu: must be a CPU number in [0, {cpus}), got {cpu!r}")
+    if cpus < 2:
+        raise ConfigError("device_cpu: the host needs a CPU besides the device's; this machine has one")
 
 
 def _positive(name: str, value: int) -> None:

@@ -273,14 +273,19 @@ Plan(sch) ==
         outIdx |-> [i \in 1..Len(curr) |-> IF curr[i] \in sampling
                                           THEN Len(delivered[curr[i]]) + placeholders[curr[i]] + 1
                                           ELSE 0]]
-Plans == {Plan(sch) : sch \in Schedules}
+\* The scheduler choices the worker may see: all of them. (Trace validation overrides it with the
+\* ones whose request set its next step event shows, so that only those are planned.)
+ScheduleChoices == Schedules
+Plans == {Plan(sch) : sch \in ScheduleChoices}
 
+\* Hazard: unbounded pipeline. A full batch queue waits for its oldest output (WaitOldest) instead.
 StepReady == pc["main"] = "top" /\ (Len(batchQueue) < Depth \/ ~BatchQueueBounded)
 
 TakePath(p) ==
     /\ status' = [r \in ReqSet |-> IF r \in p.admitted THEN "running" ELSE status[r]]
     /\ phase' = [r \in ReqSet |-> IF r \in p.sampling THEN "decode" ELSE phase[r]]
-    /\ chunks' = [r \in ReqSet |-> IF r \in p.sampling THEN 0 ELSE IF r \in p.scheduled THEN chunks[r] + 1 ELSE chunks[r]]
+    /\ chunks' = [r \in ReqSet |-> IF r \in p.sampling THEN 0
+                                   ELSE IF r \in p.scheduled THEN chunks[r] + 1 ELSE chunks[r]]
     /\ placeholders' = [r \in ReqSet |-> IF r \in p.sampling THEN placeholders[r] + 1 ELSE placeholders[r]]
     /\ finishedIds' = {}
     /\ cur' = p
@@ -291,6 +296,7 @@ TakePath(p) ==
     \* Hazard: stale input ids. Break and rebuild paths bring the pending output to the host
     \* before anything reads the CPU token state.
     /\ pc' = [pc EXCEPT !["main"] = IF Materializes(p.path, p.allDecode) THEN "get" ELSE "exec"]
+    \* Hazard: deadlock. Holding the CPU-state lock across get_output() blocks the output thread's write-back.
     /\ stateLock' = IF Materializes(p.path, p.allDecode) /\ ~StateLockFreeWhileWaiting THEN "main" ELSE stateLock
     /\ UNCHANGED <<arrived, delivered, stopLen, batchQueue, rows, host, pending, steps, outQueue>>
 
@@ -313,7 +319,7 @@ LockFree(s) == GetOutputLock => steps[s].lock = "none"
 
 GetOutput(t) ==  \* enter get_output(): take the output's lock; nothing materialized yet
     /\ Calling(t)
-    /\ LockFree(Target(t))
+    /\ LockFree(Target(t))  \* Hazard: double materialization. Only one thread gets past this.
     /\ steps[Target(t)].mat = 0
     /\ steps' = IF GetOutputLock THEN [steps EXCEPT ![Target(t)].lock = t] ELSE steps
     /\ pc' = [pc EXCEPT ![t] = "transfer"]
@@ -347,12 +353,16 @@ WriteBack(s) ==
 Materialize(t) ==  \* transfer to the host and write back; blocks until the program ran
     /\ pc[t] = "transfer"
     /\ steps[Target(t)].done
-    /\ stateLock \in {"none", "main"} /\ (stateLock = "main" => t = "main")  \* write-back takes the CPU-state lock
-    /\ host' = IF steps[Target(t)].ok THEN WriteBack(Target(t)) ELSE host  \* a failed program: the error
+    /\ stateLock = "main" => t = "main"  \* the write-back takes the CPU-state lock (re-entrant)
+    /\ host' = IF steps[Target(t)].ok THEN WriteBack(Target(t)) ELSE host  \* a failed program raises instead
     /\ steps' = [steps EXCEPT ![Target(t)].mat = @ + 1, ![Target(t)].lock = "none"]
     /\ Returned(t, steps[Target(t)].ok)
     /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
                    mstate, rows, pending, cur, stateLock, numAsync, numSync>>
+
+\* A step the engine core has applied and that no longer feeds the next one keeps only what the
+\* counters and the materialization checks read: its rows, inputs and tokens go (long traces stay cheap).
+Retire(st) == [st EXCEPT !.rows = <<>>, !.outIdx = <<>>, !.input = <<>>, !.result = <<>>]
 
 -----------------------------------------------------------------------------
 (* reinstate: update the batch, build inputs as the path says, enqueue the   *)
@@ -382,10 +392,12 @@ Reinstate ==
                   ELSE IF inputs[i] = Prompt \/ inputs[i] = Tok(r, k - 1) THEN Tok(r, k)
                   ELSE Corrupt(r, k)
        IN
-       /\ steps' = Append(steps, [rows |-> c.curr, outIdx |-> c.outIdx, input |-> inputs,
-                                  result |-> [i \in DOMAIN c.curr |-> Result(i)],
-                                  path |-> c.path, shape |-> OutputShape(Len(c.curr), c.allDecode),
-                                  done |-> FALSE, ok |-> TRUE, mat |-> 0, lock |-> "none"])
+       /\ steps' = Append(IF pending # 0 /\ pending \notin Range(batchQueue)
+                          THEN [steps EXCEPT ![pending] = Retire(@)] ELSE steps,
+                          [rows |-> c.curr, outIdx |-> c.outIdx, input |-> inputs,
+                           result |-> [i \in DOMAIN c.curr |-> Result(i)],
+                           path |-> c.path, shape |-> OutputShape(Len(c.curr), c.allDecode),
+                           done |-> FALSE, ok |-> TRUE, mat |-> 0, lock |-> "none"])
        /\ rows' = c.order
        /\ pending' = s
        /\ batchQueue' = Append(batchQueue, s)
@@ -408,7 +420,7 @@ DeviceRun ==  \* programs run in enqueue order; each one's input future is the p
     /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
                    mstate, rows, host, pending, cur, stateLock, numAsync, numSync, outQueue, pc>>
 
-WaitOldest ==  \* the queue is full, or nothing can be scheduled: wait for the oldest output
+WaitOldest ==  \* the queue is full, or nothing can be scheduled: wait for the oldest output (future.result())
     /\ pc["main"] = "top"
     /\ batchQueue # <<>>
     /\ Len(batchQueue) = Depth \/ Schedules = {}
@@ -445,9 +457,9 @@ AdvanceStep ==  \* update_from_output: deliver the oldest step's tokens, discove
            /\ stopLen' = [r \in ReqSet |-> IF r \in stopped THEN Len(newDelivered[r]) ELSE stopLen[r]]
            /\ finishedIds' = finishedIds \cup stopped
     /\ batchQueue' = Tail(batchQueue)
+    /\ steps' = IF Head(batchQueue) # pending THEN [steps EXCEPT ![Head(batchQueue)] = Retire(@)] ELSE steps
     /\ pc' = [pc EXCEPT !["main"] = "top"]
-    /\ UNCHANGED <<arrived, phase, chunks, mstate, rows, host, pending, cur, stateLock, numAsync, numSync, steps,
-                   outQueue>>
+    /\ UNCHANGED <<arrived, phase, chunks, mstate, rows, host, pending, cur, stateLock, numAsync, numSync, outQueue>>
 
 drainable == {"top", "get", "exec", "wait", "failing"}
 
@@ -476,19 +488,17 @@ Terminated ==
 
 Done == Terminated /\ UNCHANGED vars  \* keeps TLC from calling a finished run a deadlock
 
-Sys ==
-    \/ NoPendingFuture \/ CompositionBreak \/ ShapeMismatchRebuild \/ ReorderRemap \/ Steady
-    \/ Reinstate
-    \/ \E t \in Threads : GetOutput(t) \/ GetOutputCached(t) \/ Materialize(t)
-    \/ DeviceRun \/ WaitOldest \/ AdvanceStep
+\* get_output() on either thread (the main thread only ever calls it to break the async flow).
+OutputThread == \E t \in Threads : GetOutput(t) \/ GetOutputCached(t) \/ Materialize(t)
 
 Next ==
-    \/ Sys
+    \/ NoPendingFuture \/ CompositionBreak \/ ShapeMismatchRebuild \/ ReorderRemap \/ Steady  \* step
+    \/ Reinstate                                                                               \* reinstate
+    \/ Drain                                                                                   \* drain
+    \/ OutputThread
+    \/ DeviceRun \/ WaitOldest \/ AdvanceStep
     \/ AddRequest \/ \E r \in ReqSet : Abort(r)
-    \/ Drain
     \/ Done
-
-OutputThread == \E t \in Threads : GetOutput(t) \/ GetOutputCached(t) \/ Materialize(t)
 
 \* Fairness only for the output thread (and the main thread inside get_output) and the device:
 \* materializing an output never needs the engine loop to take another turn.

@@ -72,11 +72,19 @@ Logged ==
 NoStopOfScheduled ==
     \A r \in ReqSet : status'[r] = "finished" /\ status[r] # "finished" => TraceLastStep[r] < l
 
-TraceMayStop == {r \in ReqSet : TraceLastStep[r] < l}  \* overrides MayStop (see the .cfg)
+\* Overrides (see the .cfg) that prune what the rest of the trace rules out, before TLC enumerates it.
+TraceMayStop == {r \in ReqSet : TraceLastStep[r] < l}
+TraceScheduleChoices ==
+    IF l <= Len(TraceEvents) /\ TraceEvents[l].event = "step"
+    THEN {sch \in Schedules : Range(sch.order) = Range(TraceEvents[l].req_ids)}
+    ELSE {}
+
+\* A request arrives just before the step that admits it: arriving earlier changes nothing the trace shows.
+JustInTime == TraceAdmittedAt[Requests[arrived + 1]] = TraceNextStep[l]
 
 Silent ==
     /\ l <= Len(TraceEvents)
-    /\ \/ AddRequest
+    /\ \/ AddRequest /\ JustInTime
        \/ \E r \in ReqSet : Abort(r) /\ NoStopOfScheduled
        \/ \E t \in Threads : GetOutput(t) \/ GetOutputCached(t)
        \/ DeviceRun

@@ -105,7 +105,9 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
         if not removed and not added:  # same set: change it by the smallest step
             removed = {prev[-1]} if len(prev) > 1 else set()
             added = [] if removed else [unused[0]]
-        curr = tuple(next_row_order(list(prev), frozenset(removed), added)) or (unused[0],)
+        curr = tuple(next_row_order(list(prev), frozenset(removed), added))
+        if not curr:  # everyone left: one joins (or, with every id taken, one stays)
+            curr = (unused[0],) if unused else prev[:1]
         self._step(sm.COMPOSITION_BREAK, decode(curr, pad) if is_decode else prefill(curr))
 
     @precondition(lambda self: self.state == sm.REINSTATE)
@@ -117,8 +119,8 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
         if cause == "prefill":  # a chunked prefill continues, or the first decode input is 2-D
             step = prefill(curr)
         elif cause == "bucket":  # first decode after a prefill ([rows] vs a padded bucket), or a bucket change
-            bucket = data.draw(st.integers(len(curr), 8).filter(lambda b: b != pending_rows), label="bucket")
-            step = Step(curr, True, (bucket,))
+            bucket = len(curr) + data.draw(st.integers(0, 7), label="padding")
+            step = Step(curr, True, (bucket + 1 if bucket == pending_rows else bucket,))
         else:
             step = Step(curr, True, (pending_rows,), "torch.int64")
         self._step(sm.SHAPE_MISMATCH_REBUILD, step)

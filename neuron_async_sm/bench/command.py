@@ -46,6 +46,18 @@ def _floats(text: str) -> tuple[float, ...]:
     return values
 
 
+def _device_cpu(text: str) -> int | None:
+    if text == "none":
+        return None
+    if text == "auto":
+        cpus = os.cpu_count() or 1
+        return cpus - 1 if cpus >= 2 else None
+    try:
+        return int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'none' or a CPU number, got {text!r}") from exc
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark async against sync, the overlap limit and transformers")
     p.add_argument("--workload", default="steady", choices=WORKLOADS, help="see neuron_async_sm/bench/workloads.py")
@@ -57,6 +69,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: steady N requests, others 8")
     p.add_argument("--device-time-ms", type=float, default=0.0, help="hold each program this long (0: real compute)")
     p.add_argument("--device-threads", type=int, default=1, help="torch threads inside the device process")
+    p.add_argument("--device-cpu", default="auto", type=_device_cpu,
+                   help="CPU the device process owns: auto (the last CPU), none (no pinning) or a number")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compare", action="store_true", help="skip the sync/async comparison")
     p.add_argument("--sweep", nargs="?", const=sweep.DEFAULT_RATIOS, type=_floats, default=None,
@@ -100,25 +114,27 @@ def run_bench(args: argparse.Namespace) -> int:
         args.sweep = args.sweep or sweep.DEFAULT_RATIOS
         args.host_cost = args.vs_transformers = True
     show = not args.no_progress
-    report: dict = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    engine = {"device_cpu": args.device_cpu}
+    report: dict = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "engine_options": engine}
     if not args.no_compare:
         report.update(_compare_section(args, show))
     if args.sweep:
         advance, close = _progress_bar(show, 1 + 2 * (args.repetitions + 1) * len(args.sweep), "sweep D/C")
-        report["sweep"] = sweep.run_sweep(args.sweep, repetitions=args.repetitions, progress=advance)
+        report["sweep"] = sweep.run_sweep(args.sweep, repetitions=args.repetitions, progress=advance,
+                                          engine_options=engine)  # fmt: skip
         close()
         _print_sweep(report["sweep"])
     if args.host_cost:
         advance, close = _progress_bar(show, len(host_cost.DEFAULT_BATCH_SIZES) + len(host_cost.DEFAULT_WAITING),
                                        "host cost")  # fmt: skip
-        report["host_cost_batch"] = host_cost.host_cost_vs_batch(progress=advance)
-        report["host_cost_waiting"] = host_cost.host_cost_vs_waiting(progress=advance)
+        report["host_cost_batch"] = host_cost.host_cost_vs_batch(progress=advance, engine_options=engine)
+        report["host_cost_waiting"] = host_cost.host_cost_vs_waiting(progress=advance, engine_options=engine)
         close()
         _print_rows("C per step vs batch size (µs)", report["host_cost_batch"]["rows"], "batch")
         _print_rows("C per step vs waiting requests (µs)", report["host_cost_waiting"]["rows"], "waiting")
     if args.vs_transformers:
         advance, close = _progress_bar(show, len(peer.DEFAULT_PEER_BATCHES), "vs transformers")
-        report["vs_transformers"] = peer.vs_transformers(progress=advance)
+        report["vs_transformers"] = peer.vs_transformers(progress=advance, engine_options=engine)
         close()
         _print_peer(report["vs_transformers"])
     report["machine"]["load_avg_end"] = load_average()
@@ -140,7 +156,7 @@ def _compare_section(args: argparse.Namespace, show: bool) -> dict:
     workload = build_workload(args.workload, num_requests=num_requests, output_tokens=args.output_tokens,
                               seed=args.seed)  # fmt: skip
     config = {**batch_config(max_num_seqs), "device_time_ms": args.device_time_ms,
-              "device_threads": args.device_threads, "seed": args.seed}  # fmt: skip
+              "device_threads": args.device_threads, "device_cpu": args.device_cpu, "seed": args.seed}  # fmt: skip
     advance, close = _progress_bar(show, 2 * (args.warmup + args.repetitions), f"bench {args.workload}")
     try:
         result = compare_modes(args.model, workload, repetitions=args.repetitions, warmup=args.warmup,

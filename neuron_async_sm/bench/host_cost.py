@@ -25,9 +25,10 @@ def host_cost_vs_batch(
     output_tokens: int = 64,
     repetitions: int = 3,
     progress: Progress | None = None,
+    engine_options: dict | None = None,
 ) -> dict:
     """Median C (µs per step) per batch size and mode, on one engine per mode sized for the largest batch."""
-    config = batch_config(max(batch_sizes))
+    config = {**batch_config(max(batch_sizes)), **(engine_options or {})}
     engines = {mode: ProbedLLM(model, async_scheduling=mode == "async", **config) for mode in MODES}
     rows = []
     try:
@@ -59,6 +60,7 @@ def host_cost_vs_waiting(
     running: int = 8,
     steps: int = 64,
     progress: Progress | None = None,
+    engine_options: dict | None = None,
 ) -> dict:
     """Median C (µs per decode step) with `running` requests decoding and N more waiting for a slot.
 
@@ -69,7 +71,7 @@ def host_cost_vs_waiting(
     for waiting in waiting_counts:
         row: dict = {"waiting": waiting}
         for mode in MODES:
-            engine = ProbedLLM(model, async_scheduling=mode == "async", max_num_seqs=running)
+            engine = ProbedLLM(model, async_scheduling=mode == "async", max_num_seqs=running, **(engine_options or {}))
             try:
                 row[f"{mode}_host_us"], row[f"{mode}_host_us_mean"] = _decode_host_us(engine, running, waiting, steps)
             finally:

@@ -70,6 +70,7 @@ def vs_transformers(
     thread_counts: tuple[int, ...] | None = None,
     checkpoint_dir: str | None = None,
     progress: Progress | None = None,
+    engine_options: dict | None = None,
 ) -> dict:
     """Our async engine and transformers on one checkpoint; JSON-ready rows per batch size."""
     try:
@@ -82,7 +83,7 @@ def vs_transformers(
         path = write_checkpoint(Path(checkpoint_dir or tmp) / "tiny-llama-hf")
         theirs = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         theirs.generation_config.eos_token_id = None  # decode exactly new_tokens, like ignore_eos
-        config = batch_config(max(batch_sizes))
+        config = {**batch_config(max(batch_sizes)), **(engine_options or {})}
         with LLM(str(path), max_model_len=prompt_len + new_tokens + 8, **config) as ours:  # type: ignore[arg-type]
             for batch in batch_sizes:
                 prompts = _prompts(batch, prompt_len, seed=batch)

@@ -48,11 +48,12 @@ def run_sweep(
     repetitions: int = 3,
     checkpoint_dir: str | None = None,
     progress: Progress | None = None,
+    engine_options: dict | None = None,
 ) -> dict:
-    """One comparison per ratio; JSON-ready."""
+    """One comparison per ratio; JSON-ready. `engine_options`: more EngineConfig fields (e.g. device_cpu)."""
     with tempfile.TemporaryDirectory(prefix="neuron-async-sm-micro-") as tmp:
         model = str(write_checkpoint(Path(checkpoint_dir or tmp) / "micro-llama", MICRO_LLAMA_CONFIG))
-        config = batch_config(batch)
+        config = {**batch_config(batch), **(engine_options or {})}
         host_ms = calibrate_host_ms(model, batch, output_tokens, **config)
         if progress is not None:
             progress(f"calibrated C = {host_ms:.3f} ms/step at batch {batch}")

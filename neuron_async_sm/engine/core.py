@@ -90,11 +90,14 @@ class EngineCore:
             queue_depth=config.runtime_queue_depth,
             device_time_ms=config.device_time_ms,
             num_threads=config.device_threads,
+            device_cpu=config.device_cpu,
         )
         self.runner = ModelRunner(
             config, self.runtime, vocab_size=self.model_config.vocab_size, rank=0, tracer=self.tracer
         )
-        self.executor = Executor([self.runner], output_rank=0, async_output=config.async_scheduling)
+        self.executor = Executor(
+            [self.runner], output_rank=0, async_output=config.async_scheduling, device_cpu=config.device_cpu
+        )
         self.scheduler = Scheduler(
             config, eos_token_ids=self.model_config.eos_token_ids, vocab_size=self.model_config.vocab_size
         )

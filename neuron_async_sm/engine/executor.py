@@ -13,6 +13,7 @@ import threading
 from concurrent.futures import Future
 
 from neuron_async_sm.outputs import ModelRunnerOutput, SchedulerOutput
+from neuron_async_sm.runtime import keep_off_cpu
 from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput
 from neuron_async_sm.worker.model_runner import ModelRunner
 
@@ -22,9 +23,12 @@ _STOP = object()
 class Executor:
     """Runs `execute_model` + `sample_tokens` on every rank; returns the output rank's result."""
 
-    def __init__(self, runners: list[ModelRunner], *, output_rank: int = 0, async_output: bool) -> None:
+    def __init__(
+        self, runners: list[ModelRunner], *, output_rank: int = 0, async_output: bool, device_cpu: int | None = None
+    ) -> None:
         self.runners = runners
         self.output_rank = output_rank
+        self._device_cpu = device_cpu
         self._output_queue: queue.Queue | None = None
         self._output_thread: threading.Thread | None = None
         if async_output:
@@ -60,6 +64,7 @@ class Executor:
         own lock, which the main thread holds only while it materializes (no deadlock).
         """
         assert self._output_queue is not None
+        keep_off_cpu(self._device_cpu)  # woken by the device's completions: must not preempt the device
         while True:
             item = self._output_queue.get()
             if item is _STOP:

@@ -7,7 +7,7 @@ against and ``create_runtime`` for the emulated backends.
 """
 
 from .api import DeviceFuture, DeviceRuntime, Program, ProgramFactory, RuntimeStats, TensorSpec
-from .config import DeviceKind, RuntimeConfig
+from .config import DeviceKind, RuntimeConfig, keep_off_cpu
 from .create import create_runtime, create_runtime_from_config
 from .errors import DeviceLostError, DeviceProgramError, DeviceStartupError
 
@@ -25,4 +25,5 @@ __all__ = [
     "TensorSpec",
     "create_runtime",
     "create_runtime_from_config",
+    "keep_off_cpu",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 
 
@@ -29,6 +30,7 @@ class RuntimeConfig:
     queue_depth: int = 32  # unfinished programs allowed before enqueue blocks
     device_time_ms: float = 0.0  # each successful program holds the device at least this long
     num_threads: int = 1  # torch intra-op threads of the device process (PROCESS only)
+    device_cpu: int | None = None  # the CPU the device process runs on; host threads keep off it (PROCESS only)
     close_grace_s: float = 1.0  # how long close() waits for the device before forcing it down
     recent_times_kept: int = 1024  # per-program device times kept for medians
 
@@ -41,7 +43,23 @@ class RuntimeConfig:
             raise ValueError(f"RuntimeConfig.device_time_ms must be >= 0, got {self.device_time_ms}")
         if self.num_threads < 1:
             raise ValueError(f"RuntimeConfig.num_threads must be >= 1, got {self.num_threads}")
+        if self.device_cpu is not None and self.device is not DeviceKind.PROCESS:
+            raise ValueError("RuntimeConfig.device_cpu needs the process backend (device='cpu')")
         if self.close_grace_s < 0:
             raise ValueError(f"RuntimeConfig.close_grace_s must be >= 0, got {self.close_grace_s}")
         if self.recent_times_kept < 1:
             raise ValueError(f"RuntimeConfig.recent_times_kept must be >= 1, got {self.recent_times_kept}")
+
+
+def keep_off_cpu(cpu: int | None) -> None:
+    """Run the calling thread, and the threads it starts later, on every allowed CPU but `cpu`.
+
+    Hazard: a stalled device. A host thread woken by the device is placed on the waker's CPU when
+    no CPU is idle, and preempts the device there until it blocks again: host and device then
+    take turns on one core instead of overlapping. Linux only; a no-op where affinity is unsupported.
+    """
+    if cpu is None or not hasattr(os, "sched_setaffinity"):
+        return
+    allowed = os.sched_getaffinity(0) - {cpu}
+    if allowed:
+        os.sched_setaffinity(0, allowed)

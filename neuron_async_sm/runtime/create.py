@@ -15,6 +15,7 @@ def create_runtime(
     queue_depth: int = 32,
     device_time_ms: float = 0.0,
     num_threads: int = 1,
+    device_cpu: int | None = None,
 ) -> DeviceRuntime:
     """Start a device and block until its programs are built.
 
@@ -23,6 +24,8 @@ def create_runtime(
     ``device="cpu-inprocess"``: the same device loop on a thread of this
     process, for fast unit tests; it shares the GIL with the host, and
     ``num_threads`` is ignored (it would change this process's torch threads).
+    ``device_cpu`` (process backend): the CPU the device process is pinned to;
+    the runtime's receiver thread keeps off it (see ``keep_off_cpu``).
 
     Raises ``ValueError`` for an unknown device or a bad setting, and
     ``DeviceStartupError`` (with the device-side traceback) if ``programs()`` raises.
@@ -32,6 +35,7 @@ def create_runtime(
         queue_depth=queue_depth,
         device_time_ms=device_time_ms,
         num_threads=num_threads,
+        device_cpu=device_cpu,
     )
     return create_runtime_from_config(config, programs)
 
@@ -40,7 +44,7 @@ def create_runtime_from_config(config: RuntimeConfig, programs: ProgramFactory) 
     """``create_runtime`` for callers that already hold a validated ``RuntimeConfig``."""
     channel: HostChannel
     if config.device is DeviceKind.PROCESS:
-        channel = ProcessChannel(programs, config.device_time_ms, config.num_threads)
+        channel = ProcessChannel(programs, config.device_time_ms, config.num_threads, config.device_cpu)
     else:
         channel = ThreadChannel(programs, config.device_time_ms)
     return HostRuntime(channel, config)

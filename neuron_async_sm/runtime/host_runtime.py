@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from .api import DeviceFuture, DeviceRuntime, RuntimeStats, TensorSpec
-from .config import RuntimeConfig
+from .config import RuntimeConfig, keep_off_cpu
 from .errors import DeviceLostError, DeviceProgramError, DeviceStartupError
 from .host_future import HostFuture
 from .messages import (
@@ -289,6 +289,7 @@ class HostRuntime(DeviceRuntime):
     def _receive_loop(self) -> None:
         """Receiver thread: dispatch completions and fetched values until the device is gone."""
         reason = "the device channel closed"
+        keep_off_cpu(self._config.device_cpu)  # this thread is the first the device wakes
         try:
             while True:
                 message = self._channel.recv()

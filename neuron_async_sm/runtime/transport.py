@@ -78,10 +78,13 @@ def _device_process_main(
     factory: ProgramFactory,
     device_time_ms: float,
     num_threads: int,
+    device_cpu: int | None,
 ) -> None:
     """Entry point of the device process."""
     # Ctrl-C reaches the whole process group; the host decides when the device stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if device_cpu is not None:
+        os.sched_setaffinity(0, {device_cpu})  # the emulated device owns this core, as hardware would
     torch.set_num_threads(num_threads)
     code = 0
     try:
@@ -102,7 +105,9 @@ def _device_process_main(
 class ProcessChannel(HostChannel):
     """Device loop in a spawned process (``device="cpu"``): host and device truly overlap."""
 
-    def __init__(self, factory: ProgramFactory, device_time_ms: float, num_threads: int) -> None:
+    def __init__(
+        self, factory: ProgramFactory, device_time_ms: float, num_threads: int, device_cpu: int | None = None
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         # Hazard: two threads reaping the same child (close() in stop, the receiver in describe_exit)
         # make one waitpid fail with ECHILD; Process then reports a dead child as alive and
@@ -111,7 +116,7 @@ class ProcessChannel(HostChannel):
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._process = ctx.Process(
             target=_device_process_main,
-            args=(child_conn, factory, device_time_ms, num_threads),
+            args=(child_conn, factory, device_time_ms, num_threads, device_cpu),
             name="neuron-device",
             daemon=True,  # never outlive the host, even if close() is never called
         )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from neuron_async_sm.config import EngineConfig
-from neuron_async_sm.outputs import ModelRunnerOutput, SchedulerOutput
+from neuron_async_sm.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from neuron_async_sm.runtime import DeviceFuture, DeviceRuntime, TensorSpec
 from neuron_async_sm.trace import Tracer
 from neuron_async_sm.worker import async_machine as sm
@@ -76,7 +76,15 @@ class ModelRunner:
         self._executed: ExecutedStep | None = None
         self._step_id = -1
         self._step_req_ids: tuple[str, ...] = ()
-        self._step_new_ids: tuple[str, ...] = ()  # requests this step adds to the batch, in admission order
+        self._step_new: list[NewRequestData] = []  # requests this step adds to the batch, in admission order
+        if tracer.enabled:  # the trace's header: the constants a trace checker needs (model_check/)
+            tracer.event(
+                "config",
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=config.max_model_len,
+                decode_buckets=list(config.decode_buckets),
+                async_scheduling=config.async_scheduling,
+            )
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -125,8 +133,8 @@ class ModelRunner:
     # -- async plan ---------------------------------------------------------------------------------
 
     def _begin_async_step(self, scheduled: SchedulerOutput) -> str:
-        self._step_new_ids = tuple(n.request_id for n in scheduled.scheduled_new_reqs)
-        order = self.batch.preview_order(scheduled.finished_req_ids, list(self._step_new_ids))
+        self._step_new = scheduled.scheduled_new_reqs
+        order = self.batch.preview_order(scheduled.finished_req_ids, [n.request_id for n in self._step_new])
         self._step_req_ids = tuple(r for r in order if r in scheduled.num_scheduled_tokens)
         buffer = self.buffer
         obs = sm.StepObservation(
@@ -200,5 +208,10 @@ class ModelRunner:
                 source=source,
                 state=dest,
                 req_ids=list(self._step_req_ids),
-                new=list(self._step_new_ids),
+                new=[n.request_id for n in self._step_new],
+                # per new request: the outputs it may have (max_tokens, capped by max_model_len)
+                max_tokens=[
+                    min(n.sampling_params.max_tokens, self.config.max_model_len - len(n.prompt_token_ids))
+                    for n in self._step_new
+                ],
             )
