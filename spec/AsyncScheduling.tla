@@ -128,11 +128,12 @@ VARIABLES
     numSync,       \* sync_fallback_steps
     \* Device and outputs
     steps,         \* Seq of step records, indexed by step id (step_id + 1)
+    ran,           \* programs the device has run (it runs them in order): steps 1..ran
     outQueue,      \* steps queued to the async output thread, oldest first
     pc             \* [thread -> program counter]
 
 vars == <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
-          mstate, rows, host, pending, cur, stateLock, numAsync, numSync, steps, outQueue, pc>>
+          mstate, rows, host, pending, cur, stateLock, numAsync, numSync, steps, ran, outQueue, pc>>
 
 NoCur == [path |-> None]
 Token == (ReqSet \X Int) \cup {Poison, Prompt}
@@ -153,10 +154,11 @@ TypeOK ==
     /\ stateLock \in {"none", "main"}
     /\ numAsync \in Nat /\ numSync \in Nat
     /\ \A s \in 1..Len(steps) :
-        /\ DOMAIN steps[s] = {"rows", "outIdx", "input", "result", "path", "shape", "done", "ok", "mat", "lock"}
+        /\ DOMAIN steps[s] = {"rows", "outIdx", "input", "result", "path", "shape", "ok", "mat", "lock"}
         /\ steps[s].path \in PathStates
         /\ steps[s].mat \in Nat /\ steps[s].lock \in Threads \cup {"none"}
-        /\ steps[s].done \in BOOLEAN /\ steps[s].ok \in BOOLEAN
+        /\ steps[s].ok \in BOOLEAN
+    /\ ran \in 0..Len(steps)
     /\ Range(outQueue) \subseteq 1..Len(steps)
     /\ pc \in [Threads -> {"top", "get", "transfer", "exec", "wait", "failing", "dead"}]
 
@@ -179,6 +181,7 @@ Init ==
     /\ numAsync = 0
     /\ numSync = 0
     /\ steps = <<>>
+    /\ ran = 0
     /\ outQueue = <<>>
     /\ pc = [main |-> "top", output |-> "get"]
 
@@ -191,7 +194,7 @@ AddRequest ==
     /\ status' = [status EXCEPT ![Requests[arrived + 1]] = "waiting"]
     /\ arrived' = arrived + 1
     /\ UNCHANGED <<phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue, mstate, rows, host,
-                   pending, cur, stateLock, numAsync, numSync, steps, outQueue, pc>>
+                   pending, cur, stateLock, numAsync, numSync, steps, outQueue, pc, ran>>
 
 Stop(r) ==  \* r finishes now: nothing it samples later is delivered
     /\ status' = [status EXCEPT ![r] = "finished"]
@@ -204,7 +207,7 @@ Abort(r) ==
     /\ status[r] \in {"waiting", "running"}
     /\ Stop(r)
     /\ UNCHANGED <<arrived, phase, chunks, placeholders, delivered, batchQueue, mstate, rows, host, pending, cur,
-                   stateLock, numAsync, numSync, steps, outQueue, pc>>
+                   stateLock, numAsync, numSync, steps, outQueue, pc, ran>>
 
 -----------------------------------------------------------------------------
 (* The scheduler's choices for one step (scheduler.schedule). Running       *)
@@ -298,7 +301,7 @@ TakePath(p) ==
     /\ pc' = [pc EXCEPT !["main"] = IF Materializes(p.path, p.allDecode) THEN "get" ELSE "exec"]
     \* Hazard: deadlock. Holding the CPU-state lock across get_output() blocks the output thread's write-back.
     /\ stateLock' = IF Materializes(p.path, p.allDecode) /\ ~StateLockFreeWhileWaiting THEN "main" ELSE stateLock
-    /\ UNCHANGED <<arrived, delivered, stopLen, batchQueue, rows, host, pending, steps, outQueue>>
+    /\ UNCHANGED <<arrived, delivered, stopLen, batchQueue, rows, host, pending, steps, outQueue, ran>>
 
 NoPendingFuture == StepReady /\ \E p \in Plans : p.path = "NoPendingFuture" /\ TakePath(p)
 CompositionBreak == StepReady /\ \E p \in Plans : p.path = "CompositionBreak" /\ TakePath(p)
@@ -324,7 +327,7 @@ GetOutput(t) ==  \* enter get_output(): take the output's lock; nothing material
     /\ steps' = IF GetOutputLock THEN [steps EXCEPT ![Target(t)].lock = t] ELSE steps
     /\ pc' = [pc EXCEPT ![t] = "transfer"]
     /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
-                   mstate, rows, host, pending, cur, stateLock, numAsync, numSync, outQueue>>
+                   mstate, rows, host, pending, cur, stateLock, numAsync, numSync, outQueue, ran>>
 
 GetOutputCached(t) ==  \* get_output() on an output that is already materialized returns its result
     /\ Calling(t)
@@ -332,7 +335,7 @@ GetOutputCached(t) ==  \* get_output() on an output that is already materialized
     /\ steps[Target(t)].mat > 0
     /\ Returned(t, steps[Target(t)].ok)
     /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
-                   mstate, rows, host, pending, cur, stateLock, numAsync, numSync, steps>>
+                   mstate, rows, host, pending, cur, stateLock, numAsync, numSync, steps, ran>>
 
 \* CachedRequestState.write_token: positions not written yet hold POISON_TOKEN.
 WriteAt(seq, k, v) == [j \in 1..(IF k > Len(seq) THEN k ELSE Len(seq)) |->
@@ -352,13 +355,13 @@ WriteBack(s) ==
 
 Materialize(t) ==  \* transfer to the host and write back; blocks until the program ran
     /\ pc[t] = "transfer"
-    /\ steps[Target(t)].done
+    /\ Target(t) <= ran
     /\ stateLock = "main" => t = "main"  \* the write-back takes the CPU-state lock (re-entrant)
     /\ host' = IF steps[Target(t)].ok THEN WriteBack(Target(t)) ELSE host  \* a failed program raises instead
     /\ steps' = [steps EXCEPT ![Target(t)].mat = @ + 1, ![Target(t)].lock = "none"]
     /\ Returned(t, steps[Target(t)].ok)
     /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
-                   mstate, rows, pending, cur, stateLock, numAsync, numSync>>
+                   mstate, rows, pending, cur, stateLock, numAsync, numSync, ran>>
 
 \* A step the engine core has applied and that no longer feeds the next one keeps only what the
 \* counters and the materialization checks read: its rows, inputs and tokens go (long traces stay cheap).
@@ -397,7 +400,7 @@ Reinstate ==
                           [rows |-> c.curr, outIdx |-> c.outIdx, input |-> inputs,
                            result |-> [i \in DOMAIN c.curr |-> Result(i)],
                            path |-> c.path, shape |-> OutputShape(Len(c.curr), c.allDecode),
-                           done |-> FALSE, ok |-> TRUE, mat |-> 0, lock |-> "none"])
+                           ok |-> TRUE, mat |-> 0, lock |-> "none"])
        /\ rows' = c.order
        /\ pending' = s
        /\ batchQueue' = Append(batchQueue, s)
@@ -407,16 +410,15 @@ Reinstate ==
     /\ cur' = NoCur
     /\ stateLock' = "none"
     /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, host,
-                   numAsync, numSync>>
+                   numAsync, numSync, ran>>
 
 -----------------------------------------------------------------------------
 (* The device and the rest of the engine loop.                               *)
 
 DeviceRun ==  \* programs run in enqueue order; each one's input future is the previous output
-    /\ \E s \in 1..Len(steps), ok \in IF AllowFailure THEN BOOLEAN ELSE {TRUE} :
-        /\ ~steps[s].done
-        /\ \A q \in 1..(s - 1) : steps[q].done
-        /\ steps' = [steps EXCEPT ![s].done = TRUE, ![s].ok = ok]
+    /\ ran < Len(steps)
+    /\ ran' = ran + 1
+    /\ \E ok \in IF AllowFailure THEN BOOLEAN ELSE {TRUE} : steps' = [steps EXCEPT ![ran + 1].ok = ok]
     /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
                    mstate, rows, host, pending, cur, stateLock, numAsync, numSync, outQueue, pc>>
 
@@ -426,7 +428,7 @@ WaitOldest ==  \* the queue is full, or nothing can be scheduled: wait for the o
     /\ Len(batchQueue) = Depth \/ Schedules = {}
     /\ pc' = [pc EXCEPT !["main"] = "wait"]
     /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
-                   mstate, rows, host, pending, cur, stateLock, numAsync, numSync, steps, outQueue>>
+                   mstate, rows, host, pending, cur, stateLock, numAsync, numSync, steps, outQueue, ran>>
 
 Resolved(s) == s \notin Range(outQueue)
 
@@ -459,7 +461,7 @@ AdvanceStep ==  \* update_from_output: deliver the oldest step's tokens, discove
     /\ batchQueue' = Tail(batchQueue)
     /\ steps' = IF Head(batchQueue) # pending THEN [steps EXCEPT ![Head(batchQueue)] = Retire(@)] ELSE steps
     /\ pc' = [pc EXCEPT !["main"] = "top"]
-    /\ UNCHANGED <<arrived, phase, chunks, mstate, rows, host, pending, cur, stateLock, numAsync, numSync, outQueue>>
+    /\ UNCHANGED <<arrived, phase, chunks, mstate, rows, host, pending, cur, stateLock, numAsync, numSync, outQueue, ran>>
 
 drainable == {"top", "get", "exec", "wait", "failing"}
 
@@ -477,7 +479,7 @@ Drain ==
     /\ stopLen' = [r \in ReqSet |-> IF status[r] \in {"waiting", "running"} THEN Len(delivered[r]) ELSE stopLen[r]]
     /\ pc' = [pc EXCEPT !["main"] = "dead"]
     /\ UNCHANGED <<arrived, phase, chunks, placeholders, delivered, finishedIds, rows, host, cur, numAsync, numSync,
-                   steps, outQueue>>
+                   steps, outQueue, ran>>
 
 Terminated ==
     \/ pc["main"] = "dead"
@@ -541,11 +543,11 @@ CounterInv ==
 PipelineDepthInv ==
     /\ Len(batchQueue) + (IF cur # NoCur /\ pc["main"] \in {"get", "transfer", "exec"} THEN 1 ELSE 0) <= Depth
     /\ Len(outQueue) <= Depth
-    /\ Cardinality({s \in 1..Len(steps) : ~steps[s].done}) <= Depth
+    /\ Len(steps) - ran <= Depth
 
 \* Liveness: every output of a step the device ran is eventually materialized.
 EventuallyMaterializedProp ==
-    LET Ran(s) == s <= Len(steps) /\ steps[s].done
+    LET Ran(s) == s <= ran
         Materialized(s) == s <= Len(steps) /\ steps[s].mat >= 1
     IN \A s \in 1..StepBound : Ran(s) ~> Materialized(s)
 
