@@ -19,7 +19,7 @@ from tlc import PARALLEL_RUNS
 from trace_check import TraceVerdict, check_trace, read_trace
 from workloads import drive, random_workload
 
-from neuron_async_sm import LLM
+from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput
 
@@ -84,6 +84,26 @@ def test_a_trace_with_a_wrong_decision_is_rejected_at_that_event(recorded):
     verdict = check_trace(wrong)
     assert not verdict.accepted
     assert verdict.rejected_event == wrong[i], verdict.describe()
+
+
+def test_trace_of_an_engine_killed_by_a_failing_program_is_a_behaviour_of_the_spec(tlc_available, tmp_path):
+    path = tmp_path / "failure.ndjson"
+    with LLM("tiny-llama", async_scheduling=True, trace_path=str(path), **ENGINE) as llm:
+        for i in range(4):
+            llm.add_request([5 + i] * (3 + 11 * i), SamplingParams(max_tokens=12, ignore_eos=True), f"r{i}")
+        for _ in range(3):
+            llm.step()
+        llm.engine.runtime.inject_failure(after=1)
+        for _ in range(100):
+            if not llm.has_unfinished_requests():
+                break
+            llm.step()
+    events = read_trace(path)
+    assert any(e["event"] == "Materialize" and not e["ok"] for e in events)
+    assert events[-1]["event"] == "drain"
+    verdict = check_trace(events)
+    print(f"failing program: {verdict.describe()}")
+    assert verdict.accepted, verdict.describe()
 
 
 def test_trace_of_an_engine_without_the_get_output_lock_is_rejected(tlc_available, tmp_path, monkeypatch):

@@ -7,7 +7,7 @@
 (* device, the engine core applying outputs, get_output() returning a      *)
 (* result already there) are silent steps that leave the cursor in place.  *)
 (*                                                                         *)
-(* TraceLog is generated per trace by model_check/trace_module.py. TLC     *)
+(* TraceLog is generated per trace by model_check/trace_check.py. TLC      *)
 (* prints the furthest cursor it reaches; the trace is accepted when that  *)
 (* is past the last event.                                                 *)
 (***************************************************************************)
@@ -18,7 +18,6 @@ VARIABLE l  \* the next trace event to match
 traceVars == <<vars, l>>
 
 ThreadOf(name) == IF name = "MainThread" THEN "main" ELSE "output"
-
 
 TraceInit == Init /\ l = 1
 
@@ -50,13 +49,13 @@ DrainEvent(e) ==
 
 MaterializeEvent(e) ==
     /\ e.event = "Materialize"
-    /\ e.ok
     /\ LET t == ThreadOf(e.thread) IN
        /\ pc[t] = "transfer"
        /\ Target(t) = e.step + 1
        /\ Materialize(t)
     /\ LET st == steps[e.step + 1] IN
        /\ st.rows = e.req_ids
+       /\ st.ok = e.ok  \* ok = FALSE: the program failed, get_output() raised
        /\ e.count = st.mat + 1
        /\ \A i \in DOMAIN st.rows : e.sampled[i] = (st.outIdx[i] > 0)
 

@@ -65,7 +65,7 @@ def test_plots_are_written(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from neuron_async_sm.bench.plots import write_plots
 
-    point = {"D_over_C": 1.0, "speedup": 1.8}
+    point = {"D_over_C": 1.0, "speedup": 1.8, "ideal_speedup": 1.95}
     rows = [{"batch": b, "sync_host_us": 100.0 * b, "async_host_us": 90.0 * b} for b in (1, 2)]
     report = {
         "sweep": {"model": "micro-llama", "batch": 2, "points": [point]},

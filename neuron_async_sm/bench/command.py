@@ -105,6 +105,7 @@ def machine() -> dict:
         "cpu": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "nice": os.nice(0),  # the figures in docs/benchmarks.md ran at -10 on a shared machine
         "load_avg_start": load_average(),
     }
 
@@ -131,6 +132,9 @@ def run_bench(args: argparse.Namespace) -> int:
         report["host_cost_waiting"] = host_cost.host_cost_vs_waiting(progress=advance, engine_options=engine)
         close()
         _print_rows("C per step vs batch size (µs)", report["host_cost_batch"]["rows"], "batch")
+        for mode, fit in report["host_cost_batch"]["linear_fit"].items():
+            print(f"{mode}: C = {fit['intercept_us']:.0f} µs + {fit['slope_us_per_request']:.1f} µs x batch "
+                  f"(worst point {fit['max_relative_residual']:.0%} off the line)")  # fmt: skip
         _print_rows("C per step vs waiting requests (µs)", report["host_cost_waiting"]["rows"], "waiting")
     if args.vs_transformers:
         advance, close = _progress_bar(show, len(peer.DEFAULT_PEER_BATCHES), "vs transformers")

@@ -50,7 +50,19 @@ def host_cost_vs_batch(
     finally:
         for engine in engines.values():
             engine.close()
-    return {"model": model, "output_tokens": output_tokens, "rows": rows}
+    fits = {mode: linear_fit([r["batch"] for r in rows], [r[f"{mode}_host_us"] for r in rows]) for mode in MODES}
+    return {"model": model, "output_tokens": output_tokens, "rows": rows, "linear_fit": fits}
+
+
+def linear_fit(xs: list[float], ys: list[float]) -> dict:
+    """Least-squares C = intercept + slope * batch; the worst point's distance from the line, relative."""
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    var = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    intercept = mean_y - slope * mean_x
+    worst = max(abs(y - (intercept + slope * x)) / y for x, y in zip(xs, ys, strict=True))
+    return {"intercept_us": intercept, "slope_us_per_request": slope, "max_relative_residual": worst}
 
 
 def host_cost_vs_waiting(

@@ -23,7 +23,7 @@ import torch
 from .api import ProgramFactory
 from .device_loop import DeviceLoop
 from .errors import DeviceStartupError
-from .messages import DeviceMessage, HostMessage
+from .messages import DeviceMessage, HostMessage, StartupFailed
 
 
 class HostChannel(ABC):
@@ -83,11 +83,15 @@ def _device_process_main(
     """Entry point of the device process."""
     # Ctrl-C reaches the whole process group; the host decides when the device stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if device_cpu is not None:
-        os.sched_setaffinity(0, {device_cpu})  # the emulated device owns this core, as hardware would
     torch.set_num_threads(num_threads)
     code = 0
     try:
+        if device_cpu is not None:
+            try:
+                os.sched_setaffinity(0, {device_cpu})  # the emulated device owns this core, as hardware would
+            except OSError as exc:
+                _PipeDeviceEnd(conn).send(StartupFailed(f"device_cpu={device_cpu}: cannot pin the device: {exc}"))
+                return
         DeviceLoop(device_time_ms).serve(_PipeDeviceEnd(conn), factory)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
