@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # tlc.py, trace_check.py
 sys.path.insert(0, str(HERE.parent / "tests"))  # workloads.py: the random workload driver
 
-from tlc import REQUIRE_ENV, missing_reason  # noqa: E402
+from tlc import PARALLEL_RUNS, REQUIRE_ENV, TlcResult, manifest_models, missing_reason, run_tlc  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -27,19 +28,15 @@ def tlc_available() -> None:
 
 
 @pytest.fixture(scope="session")
-def model_results(tlc_available, tmp_path_factory) -> dict[str, object]:
-    """Every manifest model's TLC result, by config file, run two at a time. Models marked
-    `"dump": "dot"` also write their state graph with action labels to `result.dot_path`."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from test_models import MODELS
-    from tlc import PARALLEL_RUNS, run_tlc
-
+def model_results(tlc_available, tmp_path_factory) -> dict[str, TlcResult]:
+    """Every manifest model's TLC result, by config file, two runs at a time. A model marked
+    `"dump": "dot"` also writes its state graph, with action labels, to `result.dot_path`."""
     dumps = tmp_path_factory.mktemp("tlc-dumps")
 
-    def run(entry: dict):
+    def run(entry: dict) -> TlcResult:
         dot = dumps / (Path(entry["config"]).stem + ".dot") if entry.get("dump") == "dot" else None
         return run_tlc(entry["module"], entry["config"], dump_dot=dot)
 
+    models = manifest_models()
     with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
-        return dict(zip([m["config"] for m in MODELS], pool.map(run, MODELS), strict=True))
+        return dict(zip([m["config"] for m in models], pool.map(run, models), strict=True))

@@ -14,13 +14,12 @@ import re
 import shutil
 from itertools import permutations
 
-from test_models import MODELS
-from tlc import SPEC_DIR, run_tlc, tla
+from tlc import SPEC_DIR, manifest_models, run_tlc, tla
 
 from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.input_batch import next_row_order
 
-MACHINE_MODEL = next(m for m in MODELS if m.get("dump") == "dot")
+MACHINE_MODEL = next(m for m in manifest_models() if m.get("dump") == "dot")
 _NODE = re.compile(r'^(-?\d+) \[label="[^\n]*?mstate = \\"(\w+)\\"', re.M)
 _EDGE = re.compile(r'^(-?\d+) -> (-?\d+) \[label="(\w+)"', re.M)
 

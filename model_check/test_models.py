@@ -6,14 +6,12 @@ the invariant that guards it. A parse error, an unexpected pass or an unexpected
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
-from tlc import EXIT_PARSE, SPEC_DIR
+from tlc import EXIT_PARSE, SPEC_DIR, manifest_models
 
-MANIFEST = json.loads((SPEC_DIR / "manifest.json").read_text())
-MODELS = MANIFEST["models"]
+MODELS = manifest_models()
 REFERENCE_CONFIG = "MCAsyncScheduling.cfg"
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SPEC_DIR = Path(__file__).resolve().parent.parent / "spec"
+MANIFEST = SPEC_DIR / "manifest.json"
 REQUIRE_ENV = "NEURON_ASYNC_SM_REQUIRE_TLC"
 PARALLEL_RUNS = max(1, min(2, os.cpu_count() or 1))  # concurrent TLC runs (one worker each); CI has two cores
 
@@ -97,6 +98,11 @@ def tla(value: object) -> str:
     if isinstance(value, Mapping):
         return "[" + ", ".join(f"{k} |-> {tla(v)}" for k, v in value.items()) + "]"
     raise TypeError(f"no TLA+ form for {value!r}")
+
+
+def manifest_models() -> list[dict]:
+    """The models of spec/manifest.json: module, config, expected result, distinct-state count."""
+    return json.loads(MANIFEST.read_text())["models"]
 
 
 def tla2tools_jar() -> Path:
