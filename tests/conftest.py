@@ -18,7 +18,7 @@ _COMMON = dict(
     suppress_health_check=[HealthCheck.too_slow],  # the engine is slow on purpose; a too-slow draw is not a bug
 )
 settings.register_profile("dev", max_examples=40, stateful_step_count=30, **_COMMON)
-settings.register_profile("ci", max_examples=200, stateful_step_count=40, **_COMMON)
+settings.register_profile("ci", max_examples=300, stateful_step_count=40, **_COMMON)
 settings.register_profile("thorough", max_examples=2_000, stateful_step_count=100, **_COMMON)
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI", "").lower() in ("1", "true") else "dev")

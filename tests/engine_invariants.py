@@ -11,6 +11,7 @@ import torch
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.model import TINY_LLAMA, TINY_LLAMA_CONFIG, ModelSpec, build_step_program, generate_alone
+from neuron_async_sm.runtime.testing import in_thread
 from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput, StepSnapshot
 from neuron_async_sm.worker.input_batch import POISON_TOKEN
@@ -199,6 +200,20 @@ def check_scheduler_bounded(llm: LLM) -> None:
     for req_id, request in scheduler.requests.items():
         assert not request.is_finished or scheduler._in_flight_steps[req_id] > 0, f"{req_id} lingers"
     assert set(scheduler._in_flight_steps) == set(scheduler.requests)
+
+
+STEP_TIMEOUT_S = 60.0  # far above any step here: past it, the engine hangs
+
+
+def step_or_hang(llm: LLM) -> list:
+    """`llm.step()`, failing the test instead of hanging it when the step never returns (e.g. a lost output)."""
+    thread, box = in_thread(llm.step)
+    thread.join(STEP_TIMEOUT_S)
+    assert not thread.is_alive(), f"llm.step() did not return within {STEP_TIMEOUT_S:.0f} s: the engine hangs"
+    [result] = box
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def engine_threads(before: set[threading.Thread]) -> set[threading.Thread]:

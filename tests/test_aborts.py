@@ -19,6 +19,7 @@ from engine_invariants import (
     check_machine,
     check_scheduler_bounded,
     check_slots,
+    step_or_hang,
 )
 
 from neuron_async_sm import LLM, SamplingParams
@@ -54,7 +55,7 @@ class Client:
         self.requests[rid] = Tracked(rid, prompt, params, seed, full, *Reference.expected(full, params))
 
     def step(self) -> None:
-        for delta in self.llm.step():
+        for delta in step_or_hang(self.llm):
             request = self.requests[delta.request_id]
             assert request.finish is None, f"{delta.request_id}: {delta} after it finished {request.finish}"
             request.emitted.extend(delta.new_token_ids)
