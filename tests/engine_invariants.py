@@ -4,6 +4,7 @@ they share (stateful engine machine, aborts, soak). Test-side only; reads engine
 
 from __future__ import annotations
 
+import queue
 import threading
 from dataclasses import dataclass, field
 
@@ -11,7 +12,6 @@ import torch
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.model import TINY_LLAMA, TINY_LLAMA_CONFIG, ModelSpec, build_step_program, generate_alone
-from neuron_async_sm.runtime.testing import in_thread
 from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput, StepSnapshot
 from neuron_async_sm.worker.input_batch import POISON_TOKEN
@@ -205,11 +205,51 @@ def check_scheduler_bounded(llm: LLM) -> None:
 STEP_TIMEOUT_S = 60.0  # far above any step here: past it, the engine hangs
 
 
+class EngineHung(AssertionError):
+    """A step never returned; the engine is unusable (its stuck step still runs on a helper thread)."""
+
+
+class _Driver:
+    """One long-lived daemon thread that drives engine steps for the tests.
+
+    Not a thread per step: every new thread that runs torch code gets its own OpenMP team, and with a
+    few dozen of them spinning, steps on a 2-core machine took 10x longer.
+    """
+
+    NAME = "test-step-driver"
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=self.NAME, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, box, done = self._jobs.get()
+            try:
+                box.append(fn())
+            except BaseException as exc:  # handed to the caller
+                box.append(exc)
+            done.set()
+
+    def call(self, fn, timeout: float) -> tuple[bool, list]:
+        box: list = []
+        done = threading.Event()
+        self._jobs.put((fn, box, done))
+        return done.wait(timeout), box
+
+
+_driver: _Driver | None = None
+
+
 def step_or_hang(llm: LLM) -> list:
     """`llm.step()`, failing the test instead of hanging it when the step never returns (e.g. a lost output)."""
-    thread, box = in_thread(llm.step)
-    thread.join(STEP_TIMEOUT_S)
-    assert not thread.is_alive(), f"llm.step() did not return within {STEP_TIMEOUT_S:.0f} s: the engine hangs"
+    global _driver
+    if _driver is None:
+        _driver = _Driver()
+    returned, box = _driver.call(llm.step, STEP_TIMEOUT_S)
+    if not returned:
+        _driver = None  # abandoned with its stuck step: a daemon thread, it cannot hold up the exit
+        raise EngineHung(f"llm.step() did not return within {STEP_TIMEOUT_S:.0f} s: the engine hangs")
     [result] = box
     if isinstance(result, BaseException):
         raise result
@@ -218,4 +258,4 @@ def step_or_hang(llm: LLM) -> list:
 
 def engine_threads(before: set[threading.Thread]) -> set[threading.Thread]:
     """Threads started since `before` was taken (an engine's output thread, device receiver, device loop)."""
-    return set(threading.enumerate()) - before
+    return {t for t in set(threading.enumerate()) - before if t.name != _Driver.NAME}

@@ -23,6 +23,7 @@ import pytest
 from engine_invariants import (
     SMALL_ENGINE,
     TERMINAL,
+    EngineHung,
     Reference,
     Spy,
     Tracked,
@@ -151,6 +152,7 @@ class EngineVsReference(RuleBasedStateMachine):
         self.retired: list[Tracked] = []  # earlier incarnations of recycled ids, and requests of dead engines
         self.faults_allowed = False
         self.armed: str | None = None  # a fault is injected and has not fired yet: what the death will say
+        self.hung = False  # a step never returned: the engine is abandoned, not closed (close would wait on it)
         self.steps_at_start = self.llm.engine.num_steps
         self.counts_at_start = dict(self.llm.engine.runner.machine.state_counts)
 
@@ -197,7 +199,11 @@ class EngineVsReference(RuleBasedStateMachine):
     def _step(self) -> None:
         machine = self.llm.engine.runner.machine
         before = dict(machine.state_counts)
-        deltas = step_or_hang(self.llm)
+        try:
+            deltas = step_or_hang(self.llm)
+        except EngineHung:
+            self.hung = True
+            raise
         self._apply(deltas)
         paths = [s for s, n in machine.state_counts.items() if n > before[s]]
         told = ", ".join(
@@ -422,6 +428,9 @@ class EngineVsReference(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """Leave the shared engine idle for the next example; retire it if a failure is still armed."""
+        if self.hung:
+            _ENGINES.pop(self.DEVICE, None)
+            return
         if self.alive and not self.armed:
             self._until_idle()
         if self.alive and not self.armed:
