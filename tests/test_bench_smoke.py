@@ -38,14 +38,18 @@ def test_bench_writes_a_complete_report(tmp_path: Path) -> None:
     assert 1.0 <= report["ideal_speedup"] <= 2.0  # (C + D) / max(C, D), whatever the timings
     assert math.isfinite(report["overlap_efficiency"])  # may be negative on a noisy machine
     assert 0.0 <= report["async_step_fraction"] <= 1.0
-    assert sum(report["state_counts"].values()) == report["async"]["steps"]
+    assert sum(report["state_counts"].values()) == report["async"]["steps_total"] == 2 * report["async"]["steps"]
     assert report["sync"]["serial_s"] >= report["sync"]["ideal_s"] > 0
+    assert report["sync"]["busy_s"] >= report["sync"]["ideal_with_transport_s"] > 0
+    assert 1.0 <= report["ideal_speedup_with_transport"] <= 2.0 and math.isfinite(report["O_ms"])
     assert {r["mode"] for r in report["runs"]} == {"sync", "async"} and len(report["runs"]) == 4
+    assert all(r["other_cpu"] is None or 0.0 <= r["other_cpu"] for r in report["runs"])  # None: no /proc
 
 
 def test_overlap_figures_follow_their_definitions() -> None:
     # C = 1 ms, D = 2 ms per step, 10 steps: T_sync = 30 ms, T_ideal = 20 ms; async took 22 ms.
-    sync = {"busy_s": 0.030, "serial_s": 0.030, "ideal_s": 0.020, "host_ms_per_step": 1.0, "device_ms_per_step": 2.0}
+    sync = {"busy_s": 0.030, "serial_s": 0.030, "ideal_s": 0.020, "ideal_with_transport_s": 0.020,
+            "host_ms_per_step": 1.0, "device_ms_per_step": 2.0, "sync_overhead_ms_per_step": 0.0}  # fmt: skip
     result = compare([sync], [{"busy_s": 0.022}])
     assert result["speedup"] == pytest.approx(30 / 22)
     assert result["ideal_speedup"] == pytest.approx(1.5) == pytest.approx(ideal_speedup(2.0))

@@ -18,8 +18,8 @@ from neuron_async_sm.model import TINY_LLAMA_CONFIG, LlamaConfig
 from neuron_async_sm.model.loader import random_state_dict
 
 MICRO_LLAMA_CONFIG = replace(
-    TINY_LLAMA_CONFIG, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-    num_key_value_heads=1, head_dim=32,
+    TINY_LLAMA_CONFIG, vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
 )  # fmt: skip
 
 

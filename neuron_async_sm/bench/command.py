@@ -72,6 +72,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-cpu", default="auto", type=_device_cpu,
                    help="CPU the device process owns: auto (the last CPU), none (no pinning) or a number")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-other-cpu", type=float, default=None, metavar="SHARE",
+                   help="shared machine: redo a sync/async pair if other processes used more than this share "
+                        "of the CPUs during it (e.g. 0.1)")  # fmt: skip
     p.add_argument("--no-compare", action="store_true", help="skip the sync/async comparison")
     p.add_argument("--sweep", nargs="?", const=sweep.DEFAULT_RATIOS, type=_floats, default=None,
                    metavar="RATIOS", help="D/C sweep at these ratios (default 0.25,0.5,1,2,4)")  # fmt: skip
@@ -115,21 +118,24 @@ def run_bench(args: argparse.Namespace) -> int:
         args.sweep = args.sweep or sweep.DEFAULT_RATIOS
         args.host_cost = args.vs_transformers = True
     show = not args.no_progress
-    engine = {"device_cpu": args.device_cpu}
+    engine = {"device_cpu": args.device_cpu, "device_threads": args.device_threads}
     report: dict = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "engine_options": engine}
     if not args.no_compare:
         report.update(_compare_section(args, show))
     if args.sweep:
         advance, close = _progress_bar(show, 1 + 2 * (args.repetitions + 1) * len(args.sweep), "sweep D/C")
         report["sweep"] = sweep.run_sweep(args.sweep, repetitions=args.repetitions, progress=advance,
-                                          engine_options=engine)  # fmt: skip
+                                          engine_options=engine, max_other_cpu=args.max_other_cpu)  # fmt: skip
         close()
         _print_sweep(report["sweep"])
     if args.host_cost:
         advance, close = _progress_bar(show, len(host_cost.DEFAULT_BATCH_SIZES) + len(host_cost.DEFAULT_WAITING),
                                        "host cost")  # fmt: skip
-        report["host_cost_batch"] = host_cost.host_cost_vs_batch(progress=advance, engine_options=engine)
-        report["host_cost_waiting"] = host_cost.host_cost_vs_waiting(progress=advance, engine_options=engine)
+        quiet = args.max_other_cpu
+        report["host_cost_batch"] = host_cost.host_cost_vs_batch(progress=advance, engine_options=engine,
+                                                                 max_other_cpu=quiet)  # fmt: skip
+        report["host_cost_waiting"] = host_cost.host_cost_vs_waiting(progress=advance, engine_options=engine,
+                                                                     max_other_cpu=quiet)  # fmt: skip
         close()
         _print_rows("C per step vs batch size (µs)", report["host_cost_batch"]["rows"], "batch")
         for mode, fit in report["host_cost_batch"]["linear_fit"].items():
@@ -138,7 +144,8 @@ def run_bench(args: argparse.Namespace) -> int:
         _print_rows("C per step vs waiting requests (µs)", report["host_cost_waiting"]["rows"], "waiting")
     if args.vs_transformers:
         advance, close = _progress_bar(show, len(peer.DEFAULT_PEER_BATCHES), "vs transformers")
-        report["vs_transformers"] = peer.vs_transformers(progress=advance, engine_options=engine)
+        report["vs_transformers"] = peer.vs_transformers(progress=advance, engine_options=engine,
+                                                         max_other_cpu=args.max_other_cpu)  # fmt: skip
         close()
         _print_peer(report["vs_transformers"])
     report["machine"]["load_avg_end"] = load_average()
@@ -164,7 +171,7 @@ def _compare_section(args: argparse.Namespace, show: bool) -> dict:
     advance, close = _progress_bar(show, 2 * (args.warmup + args.repetitions), f"bench {args.workload}")
     try:
         result = compare_modes(args.model, workload, repetitions=args.repetitions, warmup=args.warmup,
-                               progress=advance, **config)  # fmt: skip
+                               max_other_cpu=args.max_other_cpu, progress=advance, **config)  # fmt: skip
     finally:
         close()
     section = result.to_json()
@@ -182,16 +189,23 @@ def _print_compare(section: dict) -> None:
         print(f"{label:20s} {fmt.format(section['sync'][key]):>10s} {fmt.format(section['async'][key]):>10s}")
     print(f"speedup {section['speedup']:.3f} (ideal {section['ideal_speedup']:.3f}), "
           f"overlap_efficiency {section['overlap_efficiency']:.2f}, D/C {section['D_over_C']:.2f}, "
-          f"async_step_fraction {section['async_step_fraction']:.3f}")  # fmt: skip
-    print(f"state_counts {section['state_counts']}")
+          f"async_step_fraction {section['async_step_fraction']:.3f}")
+    bound, efficiency = section["ideal_speedup_with_transport"], section["overlap_efficiency_with_transport"]
+    print(f"with the transport O = {section['O_ms']:.3f} ms/step counted as host time: ideal {bound:.3f}, "
+          f"efficiency {efficiency:.2f}")  # fmt: skip
+    print(f"state_counts {section['state_counts']}; pairs redone because the machine was busy: "
+          f"{section['excluded_pairs']}")  # fmt: skip
 
 
 def _print_sweep(data: dict) -> None:
-    print(f"\nD/C sweep ({data['model']}, batch {data['batch']}, calibrated C {data['calibrated_C_ms']:.3f} ms)")
-    print(f"{'D/C asked':>9s} {'D/C':>6s} {'speedup':>8s} {'ideal':>6s} {'ratio':>6s} {'efficiency':>10s}")
+    print(f"\nD/C sweep ({data['model']}, batch {data['batch']}, calibrated C {data['calibrated_C_ms']:.3f} ms, "
+          f"program alone {data['program_alone_ms']:.3f} ms)")  # fmt: skip
+    print(f"{'D/C asked':>9s} {'D/C':>6s} {'speedup':>8s} {'ideal':>6s} {'ratio':>6s} {'efficiency':>10s} "
+          f"{'ideal+O':>8s} {'eff+O':>6s}")  # fmt: skip
     for p in data["points"]:
         print(f"{p['requested_ratio']:9.2f} {p['D_over_C']:6.2f} {p['speedup']:8.3f} {p['ideal_speedup']:6.3f} "
-              f"{p['speedup_vs_ideal']:6.3f} {p['overlap_efficiency']:10.2f}")  # fmt: skip
+              f"{p['speedup_vs_ideal']:6.3f} {p['overlap_efficiency']:10.2f} "
+              f"{p['ideal_speedup_with_transport']:8.3f} {p['overlap_efficiency_with_transport']:6.2f}")  # fmt: skip
 
 
 def _print_rows(title: str, rows: list[dict], key: str) -> None:

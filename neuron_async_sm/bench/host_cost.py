@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 
 from neuron_async_sm.bench.probe import StepProbe
-from neuron_async_sm.bench.runner import ProbedLLM, Progress, batch_config, load_average
+from neuron_async_sm.bench.runner import OtherLoad, ProbedLLM, Progress, batch_config, load_average
 from neuron_async_sm.bench.workloads import build_workload
 from neuron_async_sm.sampling_params import SamplingParams
 
@@ -22,12 +22,16 @@ def host_cost_vs_batch(
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
     *,
     model: str = "tiny-llama",
-    output_tokens: int = 64,
-    repetitions: int = 3,
+    output_tokens: int = 96,
+    repetitions: int = 5,
     progress: Progress | None = None,
     engine_options: dict | None = None,
+    max_other_cpu: float | None = None,
 ) -> dict:
-    """Median C (µs per step) per batch size and mode, on one engine per mode sized for the largest batch."""
+    """Median C (µs per step) per batch size and mode, on one engine per mode sized for the largest batch.
+
+    `max_other_cpu`: wait for a quiet second (see `OtherLoad.wait_for_quiet`) before each measurement.
+    """
     config = {**batch_config(max(batch_sizes)), **(engine_options or {})}
     engines = {mode: ProbedLLM(model, async_scheduling=mode == "async", **config) for mode in MODES}
     rows = []
@@ -37,9 +41,15 @@ def host_cost_vs_batch(
             row: dict = {"batch": batch}
             for mode, engine in engines.items():
                 engine.run(workload)  # warm-up: this batch size's first steps
-                runs = [engine.run(workload) for _ in range(repetitions)]
+                runs = []
+                for _ in range(repetitions):
+                    if max_other_cpu is not None:
+                        OtherLoad.wait_for_quiet(max_other_cpu)
+                    runs.append(engine.run(workload))
+                row[f"{mode}_other_cpu"] = max(r["other_cpu"] for r in runs)
                 row[f"{mode}_host_us"] = statistics.median(r["host_ms_p50"] for r in runs) * 1e3
                 row[f"{mode}_host_us_mean"] = statistics.median(r["host_ms_per_step"] for r in runs) * 1e3
+                row[f"{mode}_host_cpu_us"] = statistics.median(r["host_cpu_ms_per_step"] for r in runs) * 1e3
                 for phase in ("schedule", "execute", "output"):
                     row[f"{mode}_{phase}_us"] = statistics.median(r[f"{phase}_ms_p50"] for r in runs) * 1e3
                 row[f"{mode}_device_us"] = statistics.median(r["device_ms_p50"] for r in runs) * 1e3
@@ -70,9 +80,10 @@ def host_cost_vs_waiting(
     *,
     model: str = "tiny-llama",
     running: int = 8,
-    steps: int = 64,
+    steps: int = 128,
     progress: Progress | None = None,
     engine_options: dict | None = None,
+    max_other_cpu: float | None = None,
 ) -> dict:
     """Median C (µs per decode step) with `running` requests decoding and N more waiting for a slot.
 
@@ -85,6 +96,8 @@ def host_cost_vs_waiting(
         for mode in MODES:
             engine = ProbedLLM(model, async_scheduling=mode == "async", max_num_seqs=running, **(engine_options or {}))
             try:
+                if max_other_cpu is not None:
+                    OtherLoad.wait_for_quiet(max_other_cpu)
                 row[f"{mode}_host_us"], row[f"{mode}_host_us_mean"] = _decode_host_us(engine, running, waiting, steps)
             finally:
                 engine.close()
@@ -96,8 +109,9 @@ def host_cost_vs_waiting(
 
 
 def _decode_host_us(engine: ProbedLLM, running: int, waiting: int, steps: int) -> tuple[float, float]:
-    """(median, mean) host µs per step over `steps` decode steps, measured after two warm-up turns."""
+    """(median, mean) host µs per step over `steps` decode steps, measured after a warm-up run."""
     llm = engine.llm
+    llm.generate([[3 + i, 4, 5] for i in range(running)], SamplingParams(max_tokens=32, ignore_eos=True))
     long = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
     for i in range(running):  # added first: they take every slot
         llm.add_request([3 + i, 4, 5, 6], long, f"run-{i}")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from neuron_async_sm.bench.checkpoint import write_checkpoint
-from neuron_async_sm.bench.runner import Progress, batch_config, load_average
+from neuron_async_sm.bench.runner import OtherLoad, Progress, batch_config, load_average
 from neuron_async_sm.engine.llm import LLM
 from neuron_async_sm.model import TINY_LLAMA_CONFIG
 from neuron_async_sm.sampling_params import SamplingParams
@@ -71,8 +71,12 @@ def vs_transformers(
     checkpoint_dir: str | None = None,
     progress: Progress | None = None,
     engine_options: dict | None = None,
+    max_other_cpu: float | None = None,
 ) -> dict:
-    """Our async engine and transformers on one checkpoint; JSON-ready rows per batch size."""
+    """Our async engine and transformers on one checkpoint; JSON-ready rows per batch size.
+
+    `max_other_cpu`: wait for a quiet second (see `OtherLoad.wait_for_quiet`) before each repetition.
+    """
     try:
         import transformers
     except ImportError as exc:  # a dev extra, not a runtime dependency
@@ -92,19 +96,24 @@ def vs_transformers(
                     _theirs(theirs, prompts, 8, n)
                 times: dict[str, list[float]] = {"ours": [], **{f"transformers_{n}t": [] for n in threads}}
                 agreement = 1.0
+                other = OtherLoad([ours.engine.runtime.device_pid])  # type: ignore[attr-defined]
                 for _ in range(repetitions):
+                    if max_other_cpu is not None:
+                        OtherLoad.wait_for_quiet(max_other_cpu)
                     elapsed, our_tokens = _ours(ours, prompts, new_tokens)
                     times["ours"].append(elapsed)
                     for n in threads:
+                        time.sleep(0.2)  # let the previous run's spinning OpenMP workers go to sleep
                         elapsed, their_tokens = _theirs(theirs, prompts, new_tokens, n)
                         times[f"transformers_{n}t"].append(elapsed)
                         agreement = min(agreement, _agreement(our_tokens, their_tokens))
+                    time.sleep(0.2)
                 row: dict = {"batch": batch}
                 for name, samples in times.items():
                     row[f"{name}_tokens_per_s"] = batch * new_tokens / statistics.median(samples)
                 best = max(row[f"transformers_{n}t_tokens_per_s"] for n in threads)
                 row.update(transformers_tokens_per_s=best, ratio=row["ours_tokens_per_s"] / best,
-                           token_agreement=agreement, load_avg=load_average()[0])  # fmt: skip
+                           token_agreement=agreement, load_avg=load_average()[0], other_cpu=other.share())  # fmt: skip
                 rows.append(row)
                 if progress is not None:
                     progress(f"batch {batch}: ours {row['ours_tokens_per_s']:.0f} tok/s, transformers {best:.0f}")

@@ -51,6 +51,9 @@ def _sweep(ax, sweep: dict) -> None:
     ax.plot(ratios, [p["speedup"] for p in points], "o-", color="tab:blue", label="measured T_sync / T_async")
     ax.plot(ratios, [p["ideal_speedup"] for p in points], "x", color="black",
             label="ideal from the sync run's per-step C and D")  # fmt: skip
+    if all("ideal_speedup_with_transport" in p for p in points):
+        ax.plot(ratios, [p["ideal_speedup_with_transport"] for p in points], "^", color="tab:red", fillstyle="none",
+                label="bound with the transport O as host time: (C + O + D) / max(C + O, D)")  # fmt: skip
     ax.set_xscale("log")
     ax.minorticks_off()
     ax.set_xticks([0.25, 0.5, 1, 2, 4])
