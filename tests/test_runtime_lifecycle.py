@@ -139,3 +139,17 @@ def test_close_with_work_in_flight_does_not_hang(device: str, tmp_path: Path) ->
     finally:
         gate.open()  # lets an abandoned in-process device thread finish
         rt.close()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_device_reports_how_long_it_waited_for_each_program(device: str) -> None:
+    with create_runtime(device, ToyPrograms()) as rt:
+        rt.enqueue("add_one", {"x": x4()}, I32).to_host()
+        rt.reset_stats()
+        rt.enqueue("add_one", {"x": x4()}, I32).to_host()
+        time.sleep(0.15)  # the device has nothing queued for at least this long
+        rt.enqueue("add_one", {"x": x4()}, I32).to_host()
+        stats = rt.stats()
+        assert len(stats.recent_device_idle_s) == len(stats.recent_device_times_s) == 2
+        assert stats.recent_device_idle_s[1] >= 0.15
+        assert stats.device_idle_s == pytest.approx(sum(stats.recent_device_idle_s))

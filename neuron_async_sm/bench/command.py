@@ -29,6 +29,8 @@ COMPARE_FIELDS = (
     ("ms/step", "step_ms", "{:.3f}"),
     ("C host ms/step", "host_ms_per_step", "{:.3f}"),
     ("D device ms/step", "device_ms_per_step", "{:.3f}"),
+    ("device idle ms/step", "device_idle_ms_per_step", "{:.3f}"),
+    ("device overhead ms", "device_overhead_ms_per_step", "{:.3f}"),
     ("TTFT p50 ms", "ttft_ms_p50", "{:.1f}"),
     ("TPOT p50 ms", "tpot_ms_p50", "{:.3f}"),
     ("TPOT p99 ms", "tpot_ms_p99", "{:.3f}"),

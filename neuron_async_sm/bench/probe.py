@@ -10,6 +10,9 @@ of one engine instance (never the classes) with timers.
   `execute_model_async` in async mode), and output processing (`sample_tokens` and
   `scheduler.update_from_output`), each minus the waits inside it.
 - C of a loop turn is its wall time minus its waits: everything the host does on the critical path.
+- Device idle: the device process also reports, per program, how long it sat waiting for work
+  before that program arrived. In a fully overlapped async run it stays near zero after the first
+  program: the host always had the next step queued.
 - D is measured inside the device process: the runtime reports each program's execution time
   (`RuntimeStats.recent_device_times_s`), collected here in program order. Every forward step
   enqueues exactly one program, so program i is step i.
@@ -58,6 +61,7 @@ class StepProbe:
         self._wait = 0.0
         self._phase = dict.fromkeys(PHASES, 0.0)
         self._device_times: list[float] = []
+        self._idle_times: list[float] = []  # per program: how long the device waited for it
         self._programs_seen = 0
         self._gc_started = 0.0
         gc.callbacks.append(self._on_gc)  # any thread's collection stops every thread holding the GIL
@@ -134,19 +138,27 @@ class StepProbe:
         self.log = TurnLog()
         self._collect_device_times()
         self._device_times = []
+        self._idle_times = []
 
     def device_times(self) -> list[float]:
         """D of every program since `reset()`, in program (== step) order; call when nothing is in flight."""
         self._collect_device_times()
         return list(self._device_times)
 
+    def device_idle_times(self) -> list[float]:
+        """Per program since `reset()`: how long the device sat idle before it (nothing queued)."""
+        self._collect_device_times()
+        return list(self._idle_times)
+
     def _collect_device_times(self) -> None:
         stats = self.engine.runtime.stats()
         new = stats.programs_completed + stats.programs_failed - self._programs_seen
-        recent = stats.recent_device_times_s
+        recent, idle = stats.recent_device_times_s, stats.recent_device_idle_s
         if new > len(recent):
             raise RuntimeError(f"device times lost: {new} programs since the last read, {len(recent)} kept")
-        self._device_times.extend(recent[len(recent) - new :] if new else [])
+        if new:
+            self._device_times.extend(recent[len(recent) - new :])
+            self._idle_times.extend(idle[len(idle) - new :])
         self._programs_seen += new
 
 

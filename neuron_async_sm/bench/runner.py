@@ -89,11 +89,33 @@ class OtherLoad:
         return max(0.0, (busy_now - busy - (own_now - own)) / ticks)
 
 
+def add_host_work(llm: LLM, extra_ms: float) -> None:
+    """Emulate a heavier host: every `scheduler.schedule` call also spins `extra_ms` of pure Python.
+
+    For the D/C sweep only, below the ratio the real program allows (its own time is a floor on D, so
+    D/C < floor/C needs a larger C). It spins rather than sleeps, holding the GIL like the host's
+    real work (scheduling, detokenization, stop checks), so the async output thread competes with it
+    as it would with real host work.
+    """
+    schedule = llm.engine.scheduler.schedule
+    extra_s = extra_ms / 1e3
+
+    def schedule_with_host_work(*args: object, **kwargs: object) -> object:
+        deadline = time.perf_counter() + extra_s
+        while time.perf_counter() < deadline:
+            pass
+        return schedule(*args, **kwargs)
+
+    llm.engine.scheduler.schedule = schedule_with_host_work  # type: ignore[method-assign]
+
+
 class ProbedLLM:
     """An LLM with a StepProbe attached, reused across repetitions (the device starts once)."""
 
-    def __init__(self, model: str, **config: object) -> None:
+    def __init__(self, model: str, host_extra_ms: float = 0.0, **config: object) -> None:
         self.llm = LLM(model, **config)
+        if host_extra_ms > 0:
+            add_host_work(self.llm, host_extra_ms)
         self.probe = StepProbe(self.llm.engine)
         self.async_scheduling = self.llm.config.async_scheduling
         self._runs = 0
@@ -127,7 +149,9 @@ class ProbedLLM:
             turn += 1
         wall = time.perf_counter() - started
         requests = {rid: RequestTimes(arrival[rid], tuple(stamps[rid])) for rid in arrival}
-        metrics = run_metrics(probe.log, probe.device_times(), requests, _counters(before, llm.stats()), wall)
+        metrics = run_metrics(
+            probe.log, probe.device_times(), requests, _counters(before, llm.stats()), wall, probe.device_idle_times()
+        )
         metrics["load_avg"] = load
         metrics["other_cpu"] = other.share()
         return metrics
@@ -177,6 +201,7 @@ def compare_modes(
     repetitions: int,
     warmup: int = 1,
     max_other_cpu: float | None = None,
+    host_extra_ms: float = 0.0,
     progress: Progress | None = None,
     **config: object,
 ) -> ModeComparison:
@@ -188,7 +213,9 @@ def compare_modes(
     the CPUs; a busy pair is recorded as excluded and run again, up to 5 x `repetitions` pairs in all
     (then the quietest pairs are kept).
     """
-    engines = {mode: ProbedLLM(model, async_scheduling=mode == "async", **config) for mode in ("sync", "async")}
+    engines = {
+        mode: ProbedLLM(model, host_extra_ms, async_scheduling=mode == "async", **config) for mode in ("sync", "async")
+    }
     try:
         for _ in range(warmup):
             for mode, engine in engines.items():

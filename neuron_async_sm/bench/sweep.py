@@ -7,7 +7,8 @@ long), so the program itself must be shorter than the D asked for: the sweep run
 1. Calibrate: sync runs with no hold measure C (host time per step) and the program's own time, the
    floor below which no hold can bring D.
 2. For each requested ratio r, hold each program to r * C and run the sync/async comparison. A ratio
-   whose hold would be under the floor runs once, with no hold, at the floor.
+   whose hold would be under the floor cannot lower D, so it raises C instead: no hold, and each
+   step's host work grows by a pure-Python spin (`runner.add_host_work`) to floor / r in all.
 3. Report the ratio actually measured (D / C of that point's sync runs) beside the requested one:
    C drifts with the machine's load, and the hold overshoots a little (the device sleeps).
 """
@@ -68,14 +69,15 @@ def run_sweep(
         points = []
         for ratio in sorted(ratios):
             hold = ratio * host_ms if ratio * host_ms > floor_ms else 0.0
-            if hold == 0.0 and points:
-                continue  # a second ratio under the floor would repeat the no-hold point
+            extra = 0.0 if hold else max(0.0, floor_ms / ratio - host_ms)  # D stays at the floor: raise C
             result = compare_modes(model, workload, repetitions=repetitions, device_time_ms=hold,
-                                   max_other_cpu=max_other_cpu, progress=progress, **config)  # fmt: skip
+                                   host_extra_ms=extra, max_other_cpu=max_other_cpu, progress=progress,
+                                   **config)  # fmt: skip
             c = result.comparison
             points.append({
                 "requested_ratio": ratio,
                 "device_time_ms": hold,  # 0: under the program's own time, no hold
+                "host_extra_ms": extra,  # emulated extra host work per step (ratios under the floor)
                 "D_over_C": c["D_over_C"],
                 "C_ms": c["C_ms"],
                 "D_ms": c["D_ms"],

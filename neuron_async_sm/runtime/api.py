@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 
 import torch
@@ -66,6 +66,8 @@ class RuntimeStats:
     host_uploads: int  # host tensors sent as program inputs (a future fed device-to-device does not count)
     host_upload_bytes: int
     device_futures_live: int  # futures held in device memory after the last completed program (leak check)
+    device_idle_s: float = 0.0  # time the device waited for work (nothing queued), summed over programs
+    recent_device_idle_s: list[float] = field(default_factory=list)  # per program, aligned with recent_device_times_s
 
 
 class DeviceFuture(ABC):

@@ -79,6 +79,7 @@ class DeviceLoop:
         self._hold_s = device_time_ms / 1000.0
         self._programs: dict[str, Program] = {}
         self._memory: dict[int, torch.Tensor | FailedValue] = {}
+        self._idle_s = 0.0  # blocked waiting for a message since the last ProgramDone
 
     def serve(self, channel: DeviceChannel, factory: ProgramFactory) -> None:
         """Build the programs, report readiness, then process messages until Shutdown or EOF."""
@@ -91,7 +92,14 @@ class DeviceLoop:
         pending: deque[HostMessage] = deque()
         try:
             while True:
-                message = pending.popleft() if pending else channel.recv(block=True)
+                if pending:
+                    message = pending.popleft()
+                else:
+                    waited = time.perf_counter()
+                    message = channel.recv(block=True)
+                    # Idle device: the host had nothing queued. In async steady state this stays
+                    # near zero, which is what "the host is hidden behind the device" means.
+                    self._idle_s += time.perf_counter() - waited
                 # Read ahead what is already queued so a Shutdown behind queued programs stops
                 # the device now, not after the backlog (close() must not wait for it). Only
                 # Shutdown skips the line; everything else keeps its place in `pending`.
@@ -150,9 +158,14 @@ class DeviceLoop:
             self._memory[message.seq] = out
             elapsed = time.perf_counter() - start
             value = WireTensor.encode(out) if message.push_output else None
-            return ProgramDone(message.seq, elapsed, None, len(self._memory), value)
+            return ProgramDone(message.seq, elapsed, None, len(self._memory), value, self._take_idle())
         self._memory[message.seq] = failure
-        return ProgramDone(message.seq, time.perf_counter() - start, failure.message, len(self._memory))
+        elapsed = time.perf_counter() - start
+        return ProgramDone(message.seq, elapsed, failure.message, len(self._memory), idle_s=self._take_idle())
+
+    def _take_idle(self) -> float:
+        idle, self._idle_s = self._idle_s, 0.0
+        return idle
 
     def _resolve(self, name: str, arg: ProgramInput) -> torch.Tensor:
         if isinstance(arg, WireTensor):

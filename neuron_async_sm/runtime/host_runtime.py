@@ -308,7 +308,9 @@ class HostRuntime(DeviceRuntime):
             self._device_gone(reason)
 
     def _on_program_done(self, message: ProgramDone) -> None:
-        self._stats.program_done(message.device_time_s, message.error is not None, message.live_futures)
+        self._stats.program_done(
+            message.device_time_s, message.error is not None, message.live_futures, message.idle_s
+        )
         with self._state_cv:
             if message.seq in self._pushed:  # else: not pushed, or already released
                 self._pushed[message.seq] = message.value  # stored before `finished` is set

@@ -24,13 +24,17 @@ class StatsRecorder:
             self._failed = 0
             self._device_time_s = 0.0
             self._recent: deque[float] = deque(maxlen=self._recent_times_kept)
+            self._idle_s = 0.0
+            self._recent_idle: deque[float] = deque(maxlen=self._recent_times_kept)
             self._transfers = 0
             self._transfer_bytes = 0
             self._uploads = 0
             self._upload_bytes = 0
 
-    def program_done(self, device_time_s: float, failed: bool, live_futures: int) -> None:
+    def program_done(self, device_time_s: float, failed: bool, live_futures: int, idle_s: float = 0.0) -> None:
         with self._lock:
+            self._idle_s += idle_s
+            self._recent_idle.append(idle_s)
             self._live = live_futures
             if failed:
                 self._failed += 1
@@ -61,4 +65,6 @@ class StatsRecorder:
                 host_uploads=self._uploads,
                 host_upload_bytes=self._upload_bytes,
                 device_futures_live=self._live,
+                device_idle_s=self._idle_s,
+                recent_device_idle_s=list(self._recent_idle),
             )
