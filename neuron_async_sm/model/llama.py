@@ -44,7 +44,6 @@ class ForwardBatch:
     slot_ids: torch.Tensor  # [B] int64: slot each row's queries read from
     last_index: torch.Tensor  # [B] int64: index of the row's last valid token (0 for padding rows)
     context_len: int  # max valid position + 1: attention reads only this cache prefix
-    first_slot: int | None = None  # set when slot_ids == first_slot, first_slot + 1, ...: the cache is read in place
 
 
 def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
@@ -101,7 +100,7 @@ class LlamaModel:
         # Padding tokens go to the scratch slot (batch.write_slots): writing them at their row's
         # slot, position 0, would overwrite a live request's first token.
         cache.write(index, batch.write_slots, batch.positions, k, v.view(b, length, kv, dim))
-        keys, values = cache.read(index, batch.slot_ids, batch.context_len, batch.first_slot)  # [B, T, kv, D]
+        keys, values = cache.read(index, batch.slot_ids, batch.context_len)  # [B, T, kv, D]
         # enable_gqa: query head h reads kv head h // (heads // kv), HF's repeat_kv order.
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),

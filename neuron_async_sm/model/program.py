@@ -78,8 +78,6 @@ class StepProgram:
         ids = input_ids.long().masked_fill(~valid, 0)
         pos = positions.long().masked_fill(~valid, 0)
         self._check(ids, pos, query_lens, slot_ids, length)
-        first = int(slot_ids[0])
-        in_order = bool((slot_ids == torch.arange(first, first + b)).all())
         return ForwardBatch(
             input_ids=ids,
             positions=pos,
@@ -87,7 +85,6 @@ class StepProgram:
             slot_ids=slot_ids,
             last_index=(query_lens - 1).clamp(min=0),
             context_len=int(pos.max()) + 1,
-            first_slot=first if in_order else None,
         )
 
     def _check(self, ids: torch.Tensor, pos: torch.Tensor, query_lens: torch.Tensor, slot_ids: torch.Tensor,
