@@ -33,6 +33,8 @@ def test_bench_writes_a_complete_report(tmp_path: Path) -> None:
             value = report[mode][field]
             assert isinstance(value, float) and math.isfinite(value) and value > 0, (mode, field, value)
         assert report[mode]["output_tokens"] == 2 * 6
+        assert report[mode]["device_idle_ms_per_step"] >= 0
+        assert math.isfinite(report[mode]["device_overhead_ms_per_step"])
     for field in ("speedup", "ideal_speedup", "C_ms", "D_ms", "D_over_C"):
         assert math.isfinite(report[field]) and report[field] > 0, field
     assert 1.0 <= report["ideal_speedup"] <= 2.0  # (C + D) / max(C, D), whatever the timings
@@ -81,3 +83,25 @@ def test_plots_are_written(tmp_path: Path) -> None:
     assert [p.name for p in paths] == ["bench_speedup_vs_dc.png", "bench_host_cost_batch.png",
                                        "bench_vs_transformers.png"]  # fmt: skip
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_sweep_and_host_cost_run_end_to_end() -> None:
+    from neuron_async_sm.bench.host_cost import host_cost_vs_batch, host_cost_vs_waiting
+    from neuron_async_sm.bench.sweep import run_sweep
+
+    sweep = run_sweep((0.25, 4.0), batch=4, output_tokens=4, repetitions=1)
+    points = sweep["points"]
+    assert [p["requested_ratio"] for p in points] == [None, 0.25, 4.0]
+    assert points[0]["kind"] == "real compute" and points[0]["device_time_ms"] == points[0]["host_extra_ms"] == 0
+    for p in points:
+        assert p["kind"] in ("real compute", "device hold", "host spin")
+        assert (p["device_time_ms"] > 0) == (p["kind"] == "device hold")
+        assert (p["host_extra_ms"] > 0) == (p["kind"] == "host spin")
+        for field in ("D_over_C", "speedup", "ideal_speedup", "C_ms", "D_ms"):
+            assert math.isfinite(p[field]) and p[field] > 0, (p["kind"], field)
+    batch = host_cost_vs_batch((1, 2), output_tokens=4, repetitions=1)
+    assert [r["batch"] for r in batch["rows"]] == [1, 2]
+    waiting = host_cost_vs_waiting((0, 50), running=2, steps=4)
+    assert [r["waiting"] for r in waiting["rows"]] == [0, 50]
+    for row in batch["rows"] + waiting["rows"]:
+        assert all(math.isfinite(row[f"{mode}_host_us"]) and row[f"{mode}_host_us"] > 0 for mode in ("sync", "async"))

@@ -202,10 +202,11 @@ def _print_compare(section: dict) -> None:
 def _print_sweep(data: dict) -> None:
     print(f"\nD/C sweep ({data['model']}, batch {data['batch']}, calibrated C {data['calibrated_C_ms']:.3f} ms, "
           f"program alone {data['program_alone_ms']:.3f} ms)")  # fmt: skip
-    print(f"{'D/C asked':>9s} {'D/C':>6s} {'speedup':>8s} {'ideal':>6s} {'ratio':>6s} {'efficiency':>10s} "
-          f"{'ideal+O':>8s} {'eff+O':>6s}")  # fmt: skip
+    print(f"{'D/C asked':>9s} {'how':>12s} {'D/C':>6s} {'speedup':>8s} {'ideal':>6s} {'ratio':>6s} "
+          f"{'efficiency':>10s} {'ideal+O':>8s} {'eff+O':>6s}")  # fmt: skip
     for p in data["points"]:
-        print(f"{p['requested_ratio']:9.2f} {p['D_over_C']:6.2f} {p['speedup']:8.3f} {p['ideal_speedup']:6.3f} "
+        asked = "-" if p["requested_ratio"] is None else f"{p['requested_ratio']:.2f}"
+        print(f"{asked:>9s} {p['kind']:>12s} {p['D_over_C']:6.2f} {p['speedup']:8.3f} {p['ideal_speedup']:6.3f} "
               f"{p['speedup_vs_ideal']:6.3f} {p['overlap_efficiency']:10.2f} "
               f"{p['ideal_speedup_with_transport']:8.3f} {p['overlap_efficiency_with_transport']:6.2f}")  # fmt: skip
 

@@ -41,14 +41,21 @@ def write_plots(report: dict, directory: str | Path) -> list[Path]:
 
 
 def _sweep(ax, sweep: dict) -> None:
-    points = sweep["points"]
+    points = sorted(sweep["points"], key=lambda p: p["D_over_C"])
     ratios = [p["D_over_C"] for p in points]
     lo, hi = min(ratios + [0.25]) * 0.8, max(ratios + [4.0]) * 1.25
     grid = [lo * (hi / lo) ** (i / 199) for i in range(200)]
     ideal = [ideal_speedup(r) for r in grid]
     ax.plot(grid, ideal, color="black", label="ideal (C + D) / max(C, D)")
     ax.fill_between(grid, [0.9 * y for y in ideal], ideal, color="0.85", label="within 10% of ideal")
-    ax.plot(ratios, [p["speedup"] for p in points], "o-", color="tab:blue", label="measured T_sync / T_async")
+    ax.plot(ratios, [p["speedup"] for p in points], "-", color="tab:blue", alpha=0.5)
+    for kind, marker, label in (("device hold", "o", "measured, D held (--device-time-ms)"),
+                                ("host spin", "s", "measured, C raised (extra host work)"),
+                                ("real compute", "*", "measured, real compute (no hold, no extra)")):  # fmt: skip
+        mine = [p for p in points if p.get("kind", "device hold") == kind]
+        if mine:
+            ax.plot([p["D_over_C"] for p in mine], [p["speedup"] for p in mine], marker, color="tab:blue",
+                    markersize=11 if marker == "*" else 6, linestyle="none", label=label)  # fmt: skip
     ax.plot(ratios, [p["ideal_speedup"] for p in points], "x", color="black",
             label="ideal from the sync run's per-step C and D")  # fmt: skip
     if all("ideal_speedup_with_transport" in p for p in points):
@@ -103,16 +110,21 @@ def _host_waiting(ax, data: dict) -> None:
 def _peer(ax, data: dict) -> None:
     rows = data["rows"]
     x = range(len(rows))
-    width = 0.38
-    ax.bar([i - width / 2 for i in x], [r["ours_tokens_per_s"] for r in rows], width, label="neuron_async_sm (async)")
-    ax.bar([i + width / 2 for i in x], [r["transformers_tokens_per_s"] for r in rows], width,
-           label=f"transformers generate() (best of {data['transformers_threads']} threads)")  # fmt: skip
+    series = [("ours_tokens_per_s", "neuron_async_sm (async; device owns 1 core)")]
+    series += [(f"transformers_{n}t_tokens_per_s", f"transformers generate(), {n} thread(s)")
+               for n in data["transformers_threads"] if f"transformers_{n}t_tokens_per_s" in rows[0]]  # fmt: skip
+    if len(series) == 1:  # older reports: only the best of transformers
+        series.append(("transformers_tokens_per_s", "transformers generate() (best)"))
+    width = 0.8 / len(series)
+    for j, (key, label) in enumerate(series):
+        offset = (j - (len(series) - 1) / 2) * width
+        ax.bar([i + offset for i in x], [r[key] for r in rows], width, label=label)
     for i, r in enumerate(rows):
-        ax.annotate(f"{r['ratio']:.2f}x", (i, max(r["ours_tokens_per_s"], r["transformers_tokens_per_s"])),
-                    ha="center", va="bottom", fontsize=8)  # fmt: skip
+        top = max(r[key] for key, _ in series)
+        ax.annotate(f"{r['ratio']:.2f}x", (i, top), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x))
     ax.set_xticklabels([str(r["batch"]) for r in rows])
-    ax.set_xlabel("batch (prompts decoded together)")
+    ax.set_xlabel("batch (prompts decoded together); label: ours / best transformers")
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"tokens/s vs transformers (greedy, {data['new_tokens']} new tokens)")
     ax.legend(fontsize=8)

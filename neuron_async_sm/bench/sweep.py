@@ -9,6 +9,7 @@ long), so the program itself must be shorter than the D asked for: the sweep run
 2. For each requested ratio r, hold each program to r * C and run the sync/async comparison. A ratio
    whose hold would be under the floor cannot lower D, so it raises C instead: no hold, and each
    step's host work grows by a pure-Python spin (`runner.add_host_work`) to floor / r in all.
+   One more point runs first with neither: the real compute, host and program as they are.
 3. Report the ratio actually measured (D / C of that point's sync runs) beside the requested one:
    C drifts with the machine's load, and the hold overshoots a little (the device sleeps).
 """
@@ -67,15 +68,20 @@ def run_sweep(
         if progress is not None:
             progress(f"calibrated C = {host_ms:.3f} ms, program alone {floor_ms:.3f} ms per step")
         points = []
+        # First the real compute (no hold, no extra host work), then each requested ratio.
+        plan = [(None, 0.0, 0.0)]
         for ratio in sorted(ratios):
             hold = ratio * host_ms if ratio * host_ms > floor_ms else 0.0
             extra = 0.0 if hold else max(0.0, floor_ms / ratio - host_ms)  # D stays at the floor: raise C
+            plan.append((ratio, hold, extra))
+        for ratio, hold, extra in plan:
             result = compare_modes(model, workload, repetitions=repetitions, device_time_ms=hold,
                                    host_extra_ms=extra, max_other_cpu=max_other_cpu, progress=progress,
                                    **config)  # fmt: skip
             c = result.comparison
             points.append({
-                "requested_ratio": ratio,
+                "kind": "device hold" if hold else "host spin" if extra else "real compute",
+                "requested_ratio": ratio,  # None: the real-compute point
                 "device_time_ms": hold,  # 0: under the program's own time, no hold
                 "host_extra_ms": extra,  # emulated extra host work per step (ratios under the floor)
                 "D_over_C": c["D_over_C"],
