@@ -4,8 +4,9 @@ The engine is measured as it is, not rebuilt for the benchmark: `StepProbe` wrap
 of one engine instance (never the classes) with timers.
 
 - Waits: time the engine's main thread spends blocked on the device — `runtime.fetch` (a host copy:
-  the sync step's tokens, or an async break materializing the pending output) and, in async mode, the
-  output thread's `Future.result()`.
+  the sync step's tokens), an async break materializing the pending output (the runner's
+  `_materialize_pending`: in fetch, or on the output's lock while the output thread fetches) and, in
+  async mode, the output thread's `Future.result()`.
 - Phases: `scheduler.schedule`, the executor's prepare + enqueue (`execute_model`, plus
   `execute_model_async` in async mode), and output processing (`sample_tokens` and
   `scheduler.update_from_output`), each minus the waits inside it.
@@ -67,6 +68,11 @@ class StepProbe:
         gc.callbacks.append(self._on_gc)  # any thread's collection stops every thread holding the GIL
         runtime = engine.runtime
         runtime.fetch = self._timed_wait(runtime.fetch)  # type: ignore[method-assign]
+        for runner in engine.executor.runners:
+            # An async break waits for the pending output: in fetch, or on the output's lock while
+            # the output thread fetches it. The whole call counts as a wait (its write-back of one
+            # token per row is microseconds), so a break does not show up as host time.
+            runner._materialize_pending = self._timed_wait(runner._materialize_pending)  # type: ignore
         scheduler, executor = engine.scheduler, engine.executor
         scheduler.schedule = self._timed_phase("schedule", scheduler.schedule)  # type: ignore[method-assign]
         scheduler.update_from_output = self._timed_phase("output", scheduler.update_from_output)  # type: ignore
@@ -96,11 +102,11 @@ class StepProbe:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if threading.current_thread() is not self._thread:
                 return fn(*args, **kwargs)  # the async output thread: off the critical path
-            start = time.perf_counter()
+            start, wait = time.perf_counter(), self._wait
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._wait += time.perf_counter() - start
+                self._wait = wait + time.perf_counter() - start  # waits nested inside count once
 
         return timed
 
