@@ -106,6 +106,17 @@ def parse_request_line(line: str, index: int, tokenizer: object | None) -> Promp
     return PromptRequest(prompt, params, request_id, arrival)
 
 
+def _own_request_id(line: str, seen_ids: set[str]) -> str | None:
+    """The request_id a rejected line carried, so its error can be matched to it; None when the line
+    has no usable id (malformed JSON, not a string) or the id is already taken (a duplicate)."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    request_id = obj.get("request_id") if isinstance(obj, dict) else None
+    return request_id if isinstance(request_id, str) and request_id not in seen_ids else None
+
+
 def run_generate(args: argparse.Namespace) -> int:
     tokenizer = None
     path = tokenizer_path(args.model)
@@ -130,7 +141,9 @@ def run_generate(args: argparse.Namespace) -> int:
             seen_ids.add(request.request_id)
             parsed.append(request)
         except (InvalidRequestError, TypeError) as exc:
-            parsed.append(RequestOutput(f"line-{i + 1}", [], [], True, "error", str(exc)))
+            error_id = _own_request_id(line, seen_ids) or f"line-{i + 1}"
+            seen_ids.add(error_id)  # a later line reusing it would make two outputs with one id
+            parsed.append(RequestOutput(error_id, [], [], True, "error", str(exc)))
     requests = [p for p in parsed if isinstance(p, PromptRequest)]
     started = time.perf_counter()
     with LLM(args.model, **_engine_config(args)) as llm:

@@ -270,3 +270,16 @@ def test_cli_answers_each_bad_line_with_an_error_and_completes_every_other_reque
     assert [r["request_id"] for r in good_results] == [r["request_id"] for r in GOOD_ROWS]
     assert all(r["finish_reason"] in ("length", "stop") and r["error"] is None for r in good_results)
     assert good_results == alone  # nothing lost, nothing changed by the bad lines around them
+
+
+def test_cli_error_output_keeps_the_request_id_of_the_rejected_line(tmp_path):
+    lines = [
+        json.dumps({"request_id": "mine", "prompt_token_ids": [5, 6], "max_tokens": 0}),  # bad, own id
+        json.dumps({"request_id": "ok", "prompt_token_ids": [5, 6], "max_tokens": 2}),
+        json.dumps({"request_id": "ok", "prompt_token_ids": [7], "max_tokens": 2}),  # duplicate of line 2
+        json.dumps({"request_id": 7, "prompt_token_ids": [7], "max_tokens": 2}),  # id not a string
+        "not json",
+    ]
+    results = run_generate(tmp_path, lines, "ids")
+    assert [r["request_id"] for r in results] == ["mine", "ok", "line-3", "line-4", "line-5"]
+    assert [r["finish_reason"] for r in results] == ["error", "length", "error", "error", "error"]

@@ -22,6 +22,7 @@ import torch
 from neuron_async_sm.bench import host_cost, peer, sweep
 from neuron_async_sm.bench.runner import Progress, batch_config, compare_modes, load_average
 from neuron_async_sm.bench.workloads import DEFAULT_NUM_REQUESTS, WORKLOADS, build_workload
+from neuron_async_sm.model.config import load_model_config
 
 COMPARE_FIELDS = (
     ("tokens/s", "tokens_per_s", "{:.0f}"),
@@ -125,7 +126,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if not args.no_compare:
         report.update(_compare_section(args, show))
     if args.sweep:
-        advance, close = _progress_bar(show, 1 + 2 * (args.repetitions + 1) * len(args.sweep), "sweep D/C")
+        advance, close = _progress_bar(show, 1 + 2 * (args.repetitions + 1) * (len(args.sweep) + 1), "sweep D/C")
         report["sweep"] = sweep.run_sweep(args.sweep, repetitions=args.repetitions, progress=advance,
                                           engine_options=engine, max_other_cpu=args.max_other_cpu)  # fmt: skip
         close()
@@ -147,6 +148,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.vs_transformers:
         advance, close = _progress_bar(show, len(peer.DEFAULT_PEER_BATCHES), "vs transformers")
         report["vs_transformers"] = peer.vs_transformers(progress=advance, engine_options=engine,
+                                                         repetitions=args.repetitions,
                                                          max_other_cpu=args.max_other_cpu)  # fmt: skip
         close()
         _print_peer(report["vs_transformers"])
@@ -166,8 +168,9 @@ def run_bench(args: argparse.Namespace) -> int:
 def _compare_section(args: argparse.Namespace, show: bool) -> dict:
     num_requests = args.num_requests or DEFAULT_NUM_REQUESTS[args.workload]
     max_num_seqs = args.max_num_seqs or (num_requests if args.workload == "steady" else 8)
+    vocab_size = load_model_config(args.model).vocab_size  # prompts must fit the model's vocabulary
     workload = build_workload(args.workload, num_requests=num_requests, output_tokens=args.output_tokens,
-                              seed=args.seed)  # fmt: skip
+                              seed=args.seed, vocab_size=vocab_size)  # fmt: skip
     config = {**batch_config(max_num_seqs), "device_time_ms": args.device_time_ms,
               "device_threads": args.device_threads, "device_cpu": args.device_cpu, "seed": args.seed}  # fmt: skip
     advance, close = _progress_bar(show, 2 * (args.warmup + args.repetitions), f"bench {args.workload}")

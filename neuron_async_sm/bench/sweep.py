@@ -25,7 +25,7 @@ from neuron_async_sm.bench.runner import ProbedLLM, Progress, batch_config, comp
 from neuron_async_sm.bench.workloads import Workload, build_workload
 
 DEFAULT_RATIOS = (0.25, 0.5, 1.0, 2.0, 4.0)
-SWEEP_BATCH = 64
+SWEEP_BATCH = 256  # large steps: the device's fixed per-program cost (~0.15 ms) is a small share of D
 
 
 def ideal_speedup(ratio: float) -> float:
@@ -97,6 +97,9 @@ def run_sweep(
                 "async_step_fraction": result.async_["async_step_fraction"],
                 "sync_step_ms": result.sync["step_ms"],
                 "async_step_ms": result.async_["step_ms"],
+                "async_D_ms": result.async_["device_ms_per_step"],  # the program slows when the host runs beside it
+                "async_device_idle_ms": result.async_["device_idle_ms_per_step"],
+                "async_device_overhead_ms": result.async_["device_overhead_ms_per_step"],
                 "excluded_pairs": c["excluded_pairs"],
                 "other_cpu": [r["other_cpu"] for r in result.runs],
             })  # fmt: skip
