@@ -132,10 +132,10 @@ def run_bench(args: argparse.Namespace) -> int:
         close()
         _print_sweep(report["sweep"])
     if args.host_cost:
-        advance, close = _progress_bar(show, len(host_cost.DEFAULT_BATCH_SIZES) + len(host_cost.DEFAULT_WAITING),
-                                       "host cost")  # fmt: skip
+        advance, close = _progress_bar(show, args.repetitions + 3, "host cost")  # rounds: batch, then waiting
         quiet = args.max_other_cpu
         report["host_cost_batch"] = host_cost.host_cost_vs_batch(progress=advance, engine_options=engine,
+                                                                 repetitions=args.repetitions,
                                                                  max_other_cpu=quiet)  # fmt: skip
         report["host_cost_waiting"] = host_cost.host_cost_vs_waiting(progress=advance, engine_options=engine,
                                                                      max_other_cpu=quiet)  # fmt: skip

@@ -30,38 +30,45 @@ def host_cost_vs_batch(
 ) -> dict:
     """Median C (µs per step) per batch size and mode, on one engine per mode sized for the largest batch.
 
+    Round robin: each repetition visits every batch size and mode once, so a slow spell of the shared
+    machine spreads over all points instead of bending the curve at one of them.
     `max_other_cpu`: wait for a quiet second (see `OtherLoad.wait_for_quiet`) before each measurement.
     """
     config = {**batch_config(max(batch_sizes)), **(engine_options or {})}
     engines = {mode: ProbedLLM(model, async_scheduling=mode == "async", **config) for mode in MODES}
-    rows = []
+    workloads = {b: build_workload("steady", num_requests=b, output_tokens=output_tokens) for b in batch_sizes}
+    runs: dict[tuple[int, str], list[dict]] = {(b, m): [] for b in batch_sizes for m in MODES}
     try:
-        for batch in batch_sizes:
-            workload = build_workload("steady", num_requests=batch, output_tokens=output_tokens)
-            row: dict = {"batch": batch}
-            for mode, engine in engines.items():
+        for workload in workloads.values():
+            for engine in engines.values():
                 engine.run(workload)  # warm-up: this batch size's first steps
-                runs = []
-                for _ in range(repetitions):
+        for rep in range(repetitions):
+            for batch, workload in workloads.items():
+                for mode, engine in engines.items():
                     if max_other_cpu is not None:
                         OtherLoad.wait_for_quiet(max_other_cpu)
-                    runs.append(engine.run(workload))
-                row[f"{mode}_other_cpu"] = max(r["other_cpu"] for r in runs)
-                row[f"{mode}_host_us"] = statistics.median(r["host_ms_p50"] for r in runs) * 1e3
-                row[f"{mode}_host_us_mean"] = statistics.median(r["host_ms_per_step"] for r in runs) * 1e3
-                row[f"{mode}_host_cpu_us"] = statistics.median(r["host_cpu_ms_per_step"] for r in runs) * 1e3
-                for phase in ("schedule", "execute", "output"):
-                    row[f"{mode}_{phase}_us"] = statistics.median(r[f"{phase}_ms_p50"] for r in runs) * 1e3
-                row[f"{mode}_device_us"] = statistics.median(r["device_ms_p50"] for r in runs) * 1e3
-                row[f"{mode}_load_avg"] = load_average()[0]
-            rows.append(row)
+                    runs[batch, mode].append(engine.run(workload))
             if progress is not None:
-                progress(f"batch {batch}: C sync {row['sync_host_us']:.0f} µs, async {row['async_host_us']:.0f} µs")
+                progress(f"round {rep + 1}/{repetitions} of {len(batch_sizes)} batch sizes")
     finally:
         for engine in engines.values():
             engine.close()
+    rows = []
+    for batch in batch_sizes:
+        row: dict = {"batch": batch}
+        for mode in MODES:
+            mine = runs[batch, mode]
+            row[f"{mode}_other_cpu"] = max(r["other_cpu"] for r in mine)
+            row[f"{mode}_host_us"] = statistics.median(r["host_ms_p50"] for r in mine) * 1e3
+            row[f"{mode}_host_us_mean"] = statistics.median(r["host_ms_per_step"] for r in mine) * 1e3
+            row[f"{mode}_host_cpu_us"] = statistics.median(r["host_cpu_ms_per_step"] for r in mine) * 1e3
+            for phase in ("schedule", "execute", "output"):
+                row[f"{mode}_{phase}_us"] = statistics.median(r[f"{phase}_ms_p50"] for r in mine) * 1e3
+            row[f"{mode}_device_us"] = statistics.median(r["device_ms_p50"] for r in mine) * 1e3
+        rows.append(row)
     fits = {mode: linear_fit([r["batch"] for r in rows], [r[f"{mode}_host_us"] for r in rows]) for mode in MODES}
-    return {"model": model, "output_tokens": output_tokens, "rows": rows, "linear_fit": fits}
+    return {"model": model, "output_tokens": output_tokens, "repetitions": repetitions, "rows": rows,
+            "linear_fit": fits, "load_avg_end": load_average()}  # fmt: skip
 
 
 def linear_fit(xs: list[float], ys: list[float]) -> dict:
@@ -81,31 +88,41 @@ def host_cost_vs_waiting(
     model: str = "tiny-llama",
     running: int = 8,
     steps: int = 128,
+    repetitions: int = 3,
     progress: Progress | None = None,
     engine_options: dict | None = None,
     max_other_cpu: float | None = None,
 ) -> dict:
     """Median C (µs per decode step) with `running` requests decoding and N more waiting for a slot.
 
-    A fresh engine per point: the waiting requests never get a slot during the measured steps, and
-    aborting thousands of them would measure abort, not the step.
+    A fresh engine per measurement: the waiting requests never get a slot during the measured steps,
+    and aborting thousands of them would measure abort, not the step. Round robin over the counts
+    and modes, `repetitions` times; each point is the median of its repetitions' per-step medians.
     """
+    samples: dict[tuple[int, str], list[tuple[float, float]]] = {(w, m): [] for w in waiting_counts for m in MODES}
+    for rep in range(repetitions):
+        for waiting in waiting_counts:
+            for mode in MODES:
+                engine = ProbedLLM(model, async_scheduling=mode == "async", max_num_seqs=running,
+                                   **(engine_options or {}))  # fmt: skip
+                try:
+                    if max_other_cpu is not None:
+                        OtherLoad.wait_for_quiet(max_other_cpu)
+                    samples[waiting, mode].append(_decode_host_us(engine, running, waiting, steps))
+                finally:
+                    engine.close()
+        if progress is not None:
+            progress(f"round {rep + 1}/{repetitions} of {len(waiting_counts)} waiting counts")
     rows = []
     for waiting in waiting_counts:
         row: dict = {"waiting": waiting}
         for mode in MODES:
-            engine = ProbedLLM(model, async_scheduling=mode == "async", max_num_seqs=running, **(engine_options or {}))
-            try:
-                if max_other_cpu is not None:
-                    OtherLoad.wait_for_quiet(max_other_cpu)
-                row[f"{mode}_host_us"], row[f"{mode}_host_us_mean"] = _decode_host_us(engine, running, waiting, steps)
-            finally:
-                engine.close()
-            row[f"{mode}_load_avg"] = load_average()[0]
+            row[f"{mode}_host_us"] = statistics.median(median for median, _ in samples[waiting, mode])
+            row[f"{mode}_host_us_mean"] = statistics.median(mean for _, mean in samples[waiting, mode])
+            row[f"{mode}_host_us_each"] = [median for median, _ in samples[waiting, mode]]
         rows.append(row)
-        if progress is not None:
-            progress(f"{waiting} waiting: C sync {row['sync_host_us']:.0f} µs, async {row['async_host_us']:.0f} µs")
-    return {"model": model, "running": running, "steps": steps, "rows": rows}
+    return {"model": model, "running": running, "steps": steps, "repetitions": repetitions, "rows": rows,
+            "load_avg_end": load_average()}  # fmt: skip
 
 
 def _decode_host_us(engine: ProbedLLM, running: int, waiting: int, steps: int) -> tuple[float, float]:

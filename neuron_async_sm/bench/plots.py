@@ -76,12 +76,15 @@ def _sweep(ax, sweep: dict) -> None:
 def _host_batch(ax, data: dict) -> None:
     rows = data["rows"]
     batches = [r["batch"] for r in rows]
+    fits = data.get("linear_fit", {})
     for mode, color in (("sync", "tab:orange"), ("async", "tab:blue")):
-        ax.plot(batches, [r[f"{mode}_host_us"] for r in rows], "o-", color=color, label=f"C per step, {mode}")
-    ax.set_xscale("log", base=2)
-    ax.minorticks_off()
-    ax.set_xticks(batches)
-    ax.set_xticklabels([str(b) for b in batches])
+        ax.plot(batches, [r[f"{mode}_host_us"] for r in rows], "o", color=color, label=f"C per step, {mode}")
+        if mode in fits:  # linear axes: a straight line is linear growth
+            a, b = fits[mode]["intercept_us"], fits[mode]["slope_us_per_request"]
+            ax.plot([0, max(batches)], [a, a + b * max(batches)], "--", color=color, alpha=0.7,
+                    label=f"fit {a:.0f} µs + {b:.1f} µs x batch")  # fmt: skip
+    ax.set_xticks(batches[2:] if len(batches) > 4 else batches)
+    ax.set_xlim(left=0)
     ax.set_xlabel("running requests (decode batch)")
     ax.set_ylabel("host time per step (µs, median)")
     ax.set_title("Host cost per step vs batch size")
