@@ -34,7 +34,7 @@ def write_plots(report: dict, directory: str | Path) -> list[Path]:
             fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
             draw(ax, report[key])
             fig.tight_layout()
-            fig.savefig(out / name)
+            fig.savefig(out / name, bbox_inches="tight")  # keeps a legend placed below the axes
             plt.close(fig)
             written.append(out / name)
     return written
@@ -70,7 +70,7 @@ def _sweep(ax, sweep: dict) -> None:
     ax.set_title(f"Async speedup vs D/C ({sweep['model'].split(' ')[0]}, batch {sweep['batch']})")
     ax.set_ylim(0.8, max([2.1] + [p["speedup"] + 0.1 for p in points]))
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="lower center", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=7)  # below: the data fill the axes
 
 
 def _host_batch(ax, data: dict) -> None:
