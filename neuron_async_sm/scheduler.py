@@ -83,6 +83,10 @@ class Scheduler:
                     self.waiting.remove(request)
                 self._finish(request, FinishReason.ERROR, error=error)
                 deltas.append(RequestDelta(request.request_id, [], FinishReason.ERROR.value, error))
+        # No step will ever be applied again: forget every request, including finished ones that
+        # were only kept for a step in flight (those steps were drained, never applied).
+        self.requests.clear()
+        self._in_flight_steps.clear()
         return deltas
 
     def has_unfinished_requests(self) -> bool:

@@ -31,6 +31,7 @@ def test_program_failure_errors_every_request_and_kills_the_engine(device, async
         assert {d.finish_reason for d in finishes.values()} == {"error"}
         assert all("injected" in d.error for d in finishes.values()), finishes
         assert not llm.has_unfinished_requests()
+        assert llm.engine.scheduler.requests == {}, "a dead engine still tracks finished requests"
         with pytest.raises(EngineDeadError, match="engine is dead"):
             llm.step()
         with pytest.raises(EngineDeadError):
