@@ -45,8 +45,7 @@ def host_cost_vs_batch(
         for rep in range(repetitions):
             for batch, workload in workloads.items():
                 for mode, engine in engines.items():
-                    if max_other_cpu is not None:
-                        OtherLoad.wait_for_quiet(max_other_cpu)
+                    OtherLoad.wait_for_quiet(max_other_cpu)
                     runs[batch, mode].append(engine.run(workload))
             if progress is not None:
                 progress(f"round {rep + 1}/{repetitions} of {len(batch_sizes)} batch sizes")
@@ -106,8 +105,7 @@ def host_cost_vs_waiting(
                 engine = ProbedLLM(model, async_scheduling=mode == "async", max_num_seqs=running,
                                    **(engine_options or {}))  # fmt: skip
                 try:
-                    if max_other_cpu is not None:
-                        OtherLoad.wait_for_quiet(max_other_cpu)
+                    OtherLoad.wait_for_quiet(max_other_cpu)
                     samples[waiting, mode].append(_decode_host_us(engine, running, waiting, steps))
                 finally:
                     engine.close()

@@ -37,10 +37,10 @@ class RequestTimes:
 def run_metrics(
     log: TurnLog,
     device_times: list[float],
+    device_idle: list[float],
     requests: dict[str, RequestTimes],
     counters: dict,
     wall_s: float,
-    device_idle: list[float] | None = None,
 ) -> dict:
     """The flat, JSON-ready metrics of one run (times in ms unless the name says otherwise)."""
     step_turns = [i for i, s in enumerate(log.steps) if s]
@@ -56,6 +56,8 @@ def run_metrics(
         if len(r.token_times) > 1
     ]
     itl = [(b - a) * 1e3 for r in requests.values() for a, b in itertools.pairwise(r.token_times)]
+    # The first program's idle time is the gap since the previous run, not part of this one.
+    idle_s = sum(device_idle[1:])
     metrics = {
         "requests": len(requests),
         "output_tokens": tokens,
@@ -79,12 +81,12 @@ def run_metrics(
         # D: program execution time inside the device process.
         "device_ms_per_step": sum(device_times) / len(device_times) * 1e3,
         "device_ms_p50": percentile(device_times, 50) * 1e3,
-        # Device idle: time the device waited with nothing queued, per step. The first program's wait
-        # (the gap since the previous run) is left out. Near zero: the host never held the device up.
-        "device_idle_ms_per_step": sum((device_idle or [0.0])[1:]) / steps * 1e3,
+        # Device idle: time the device waited with nothing queued, per step. Near zero: the host
+        # never held the device up.
+        "device_idle_ms_per_step": idle_s / steps * 1e3,
         # The device's own cost per program beyond the program (receive, decode inputs, encode and
         # send the result): the rest of a step once program time and idle time are taken out.
-        "device_overhead_ms_per_step": (busy_s - sum(device_times) - sum((device_idle or [0.0])[1:])) / steps * 1e3,
+        "device_overhead_ms_per_step": (busy_s - sum(device_times) - idle_s) / steps * 1e3,
         # Where C goes (medians over steps: a preempted step would dominate a mean).
         **{f"{p}_ms_p50": percentile([log.phase_s[p][i] for i in step_turns], 50) * 1e3 for p in PHASES},
         # Garbage collection during the run: a full (gen 2) collection stops the host for ~100 ms.

@@ -98,8 +98,7 @@ def vs_transformers(
                 agreement = 1.0
                 other = OtherLoad([ours.engine.runtime.device_pid])  # type: ignore[attr-defined]
                 for _ in range(repetitions):
-                    if max_other_cpu is not None:
-                        OtherLoad.wait_for_quiet(max_other_cpu)
+                    OtherLoad.wait_for_quiet(max_other_cpu)
                     elapsed, our_tokens = _ours(ours, prompts, new_tokens)
                     times["ours"].append(elapsed)
                     for n in threads:

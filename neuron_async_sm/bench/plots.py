@@ -85,12 +85,7 @@ def _host_batch(ax, data: dict) -> None:
                     label=f"fit {a:.0f} µs + {b:.1f} µs x batch")  # fmt: skip
     ax.set_xticks(batches[2:] if len(batches) > 4 else batches)
     ax.set_xlim(left=0)
-    ax.set_xlabel("running requests (decode batch)")
-    ax.set_ylabel("host time per step (µs, median)")
-    ax.set_title("Host cost per step vs batch size")
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    _host_axes(ax, "running requests (decode batch)", "Host cost per step vs batch size")
 
 
 def _host_waiting(ax, data: dict) -> None:
@@ -102,9 +97,14 @@ def _host_waiting(ax, data: dict) -> None:
     ax.minorticks_off()
     ax.set_xticks(waiting)
     ax.set_xticklabels([str(r["waiting"]) for r in rows])
-    ax.set_xlabel(f"waiting requests ({data['running']} running)")
+    _host_axes(ax, f"waiting requests ({data['running']} running)", "Host cost per step vs waiting requests")
+
+
+def _host_axes(ax, xlabel: str, title: str) -> None:
+    """What both host-cost plots share: the y axis from zero, labels, grid, legend."""
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("host time per step (µs, median)")
-    ax.set_title("Host cost per step vs waiting requests")
+    ax.set_title(title)
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
@@ -115,9 +115,7 @@ def _peer(ax, data: dict) -> None:
     x = range(len(rows))
     series = [("ours_tokens_per_s", "neuron_async_sm (async; device owns 1 core)")]
     series += [(f"transformers_{n}t_tokens_per_s", f"transformers generate(), {n} thread(s)")
-               for n in data["transformers_threads"] if f"transformers_{n}t_tokens_per_s" in rows[0]]  # fmt: skip
-    if len(series) == 1:  # older reports: only the best of transformers
-        series.append(("transformers_tokens_per_s", "transformers generate() (best)"))
+               for n in data["transformers_threads"]]  # fmt: skip
     width = 0.8 / len(series)
     for j, (key, label) in enumerate(series):
         offset = (j - (len(series) - 1) / 2) * width

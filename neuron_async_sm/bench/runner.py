@@ -68,9 +68,11 @@ class OtherLoad:
         return time.perf_counter(), self._busy_ticks(), self._own_ticks()
 
     @staticmethod
-    def wait_for_quiet(max_share: float, timeout_s: float = 120.0, window_s: float = 1.0) -> float:
+    def wait_for_quiet(max_share: float | None, timeout_s: float = 120.0, window_s: float = 1.0) -> float:
         """Block until other processes used at most `max_share` of the CPUs over one window (or the
-        timeout passed); the last window's share."""
+        timeout passed); the last window's share. `max_share=None`: do not wait (NaN)."""
+        if max_share is None:
+            return float("nan")
         deadline = time.perf_counter() + timeout_s
         while True:
             probe = OtherLoad([])
@@ -149,9 +151,8 @@ class ProbedLLM:
             turn += 1
         wall = time.perf_counter() - started
         requests = {rid: RequestTimes(arrival[rid], tuple(stamps[rid])) for rid in arrival}
-        metrics = run_metrics(
-            probe.log, probe.device_times(), requests, _counters(before, llm.stats()), wall, probe.device_idle_times()
-        )
+        counters = _counters(before, llm.stats())
+        metrics = run_metrics(probe.log, probe.device_times(), probe.device_idle_times(), requests, counters, wall)
         metrics["load_avg"] = load
         metrics["other_cpu"] = other.share()
         return metrics
@@ -227,8 +228,7 @@ def compare_modes(
         attempts = 5 * repetitions if max_other_cpu is not None else repetitions
         for rep in range(attempts):
             order = ("sync", "async") if rep % 2 == 0 else ("async", "sync")
-            if max_other_cpu is not None:
-                OtherLoad.wait_for_quiet(max_other_cpu)
+            OtherLoad.wait_for_quiet(max_other_cpu)
             pair = {mode: engines[mode].run(workload) for mode in order}
             busy = max(m["other_cpu"] for m in pair.values())
             excluded = max_other_cpu is not None and not busy <= max_other_cpu
