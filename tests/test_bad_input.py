@@ -235,8 +235,10 @@ def run_generate(tmp_path: Path, lines: list[str], name: str) -> list[dict]:
     prompts.write_text("\n".join(lines) + "\n", encoding="utf-8")
     argv = ["generate", "--prompts", prompts, "--output", out, "--no-progress", "--device", "cpu-inprocess",
             "--max-model-len", MAX_MODEL_LEN, "--max-num-batched-tokens", 32, "--prefill-buckets", "16,32"]  # fmt: skip
-    assert main([str(a) for a in argv]) == 0
-    return [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    code = main([str(a) for a in argv])
+    results = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert code == (1 if any(r["finish_reason"] == "error" for r in results) else 0), "exit 1 iff a request failed"
+    return results
 
 
 def test_cli_answers_each_bad_line_with_an_error_and_completes_every_other_request(tmp_path):

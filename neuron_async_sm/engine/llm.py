@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from neuron_async_sm.config import EngineConfig
@@ -30,10 +30,14 @@ class LLM:
     """
 
     def __init__(self, model: str = "tiny-llama", **config: object) -> None:
-        self.config = EngineConfig(model=model, **config)  # type: ignore[arg-type]
-        self.engine = EngineCore(self.config)
+        self.engine = EngineCore(EngineConfig(model=model, **config))  # type: ignore[arg-type]
         self._ids = itertools.count()
         self.num_loop_turns = 0
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's config as resolved against the model (max_model_len is always an int here)."""
+        return self.engine.config
 
     @property
     def vocab_size(self) -> int:
@@ -97,8 +101,13 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         *,
         use_tqdm: bool = False,
+        on_finish: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
-        """Run requests to completion; outputs in input order."""
+        """Run requests to completion; outputs in input order.
+
+        `on_finish(output)` is called the moment each request finishes (completion order), e.g. to
+        make its result durable before the others end; a request rejected up front counts too.
+        """
         normalized = [self._as_request(r, sampling_params, i) for i, r in enumerate(requests)]
         results: dict[str, RequestOutput] = {}
         rejected: dict[int, RequestOutput] = {}
@@ -109,17 +118,31 @@ class LLM:
             else:
                 results[r.request_id] = RequestOutput(r.request_id, r.prompt_token_ids)
         progress = _progress(len(normalized)) if use_tqdm else None
+        failed = 0
+        for output in rejected.values():
+            failed += 1
+            if on_finish is not None:
+                on_finish(output)
+            if progress is not None:
+                progress.update(1)
         accepted = [r for i, r in enumerate(normalized) if i not in rejected]
-        for delta in self.stream(accepted):
-            result = results[delta.request_id]
-            result.output_token_ids.extend(delta.output_token_ids)
-            if delta.finished:
+        try:
+            for delta in self.stream(accepted):
+                result = results[delta.request_id]
+                result.output_token_ids.extend(delta.output_token_ids)
+                if not delta.finished:
+                    continue
                 result.finished, result.finish_reason, result.error = True, delta.finish_reason, delta.error
+                failed += result.finish_reason == "error"
+                if on_finish is not None:
+                    on_finish(result)
                 if progress is not None:
                     progress.update(1)
-                    progress.set_postfix(tok_s=f"{self.engine.stats()['tokens_per_s']:.0f}")
-        if progress is not None:
-            progress.close()
+                    # Failures counted apart: a bar at 100% must not hide requests that errored.
+                    progress.set_postfix(tok_s=f"{self.engine.stats()['tokens_per_s']:.0f}", failed=failed)
+        finally:
+            if progress is not None:
+                progress.close()
         return [rejected.get(i) or results[r.request_id] for i, r in enumerate(normalized)]
 
     def _as_request(
