@@ -16,12 +16,14 @@ class KVCache:
     Nothing reads the scratch slot on behalf of a real row.
     """
 
-    def __init__(self, config: LlamaConfig, max_num_seqs: int, max_model_len: int, dtype: torch.dtype):
+    def __init__(self, config: LlamaConfig, max_num_seqs: int, max_model_len: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
         shape = (config.num_hidden_layers, max_num_seqs + 1, max_model_len,
                  config.num_key_value_heads, config.head_dim)
         # Zeros, so a read of a never-written position is deterministic.
-        self.k = torch.zeros(shape, dtype=dtype)  # [layers, max_num_seqs + 1, max_model_len, kv, head_dim]
-        self.v = torch.zeros(shape, dtype=dtype)  # [layers, max_num_seqs + 1, max_model_len, kv, head_dim]
+        # k, v: [layers, max_num_seqs + 1, max_model_len, kv_heads, head_dim]
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.scratch_slot = max_num_seqs
         self.max_model_len = max_model_len
 

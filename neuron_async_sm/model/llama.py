@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,16 @@ class LlamaWeights:
     norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed_tokens when tied
 
+    def to(self, device: torch.device) -> LlamaWeights:
+        """The same weights on `device` (a tied lm_head stays one tensor with embed_tokens)."""
+        embed = self.embed_tokens.to(device)
+        layers = tuple(
+            LayerWeights(*(getattr(layer, f.name).to(device) for f in dataclasses.fields(LayerWeights)))
+            for layer in self.layers
+        )
+        lm_head = embed if self.lm_head is self.embed_tokens else self.lm_head.to(device)
+        return LlamaWeights(embed, layers, self.norm.to(device), lm_head)
+
 
 @dataclass(frozen=True)
 class ForwardBatch:
@@ -61,7 +72,7 @@ class LlamaModel:
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, max_model_len: int, dtype: torch.dtype):
         self.config = config
         self.weights = weights
-        self.rope = RopeTable.build(config, max_model_len, dtype)
+        self.rope = RopeTable.build(config, max_model_len, dtype).to(weights.embed_tokens.device)
         self.compute_dtype = compute_dtype_for(dtype)
         self.scale = config.head_dim ** -0.5
 
@@ -73,13 +84,13 @@ class LlamaModel:
         # Key position t is visible to query (b, j) iff t <= positions[b, j]: causal within the chunk
         # (the chunk's own K/V are written before the read) and blind to stale entries past the row's
         # end. Position 0 is always visible, so no query row is fully masked (which would give NaN).
-        key_pos = torch.arange(batch.context_len)
+        key_pos = torch.arange(batch.context_len, device=batch.positions.device)
         mask = (key_pos.view(1, 1, -1) <= batch.positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, L, T]
         for index, layer in enumerate(w.layers):
             attn_in = self._norm(hidden, layer.input_norm)
             hidden = hidden + self._attention(index, layer, attn_in, batch, rope, mask, cache)
             hidden = hidden + self._mlp(layer, self._norm(hidden, layer.post_attention_norm))
-        rows = torch.arange(hidden.shape[0])
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
         last = self._norm(hidden[rows, batch.last_index], w.norm)  # [B, hidden]: lm_head only on last tokens
         return F.linear(last, w.lm_head).to(self.compute_dtype)
 

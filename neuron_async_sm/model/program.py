@@ -11,6 +11,8 @@ from neuron_async_sm.model.loader import load_weights
 from neuron_async_sm.model.sampler import sample_tokens
 from neuron_async_sm.model.spec import ModelSpec
 
+HOST = torch.device("cpu")
+
 
 class StepProgram:
     """A loaded Llama plus its static KV cache; each call runs one step for a batch of rows.
@@ -24,13 +26,23 @@ class StepProgram:
     A malformed step raises ValueError before touching the cache: shapes that disagree, two live rows
     on one slot, a real token id outside the vocab (so a leaked placeholder such as -1 is caught, not
     embedded), or a position outside max_model_len.
+
+    Placement: weights and cache live on `device`. Host inputs arrive as host tensors and are checked
+    there, then moved; input_ids may instead be a device tensor (the previous step's sampled tokens,
+    in the vocab by construction), which is never read back: on a lazy device a check on a device
+    value is a blocking sync. On a compiled-graph device (XLA) every shape is part of the program, so
+    attention reads the whole cache (`fixed_context`) instead of the step's longest prefix; the mask
+    makes the extra positions contribute nothing.
     """
 
-    def __init__(self, spec: ModelSpec, config: LlamaConfig, model: LlamaModel, kv_cache: KVCache):
+    def __init__(self, spec: ModelSpec, config: LlamaConfig, model: LlamaModel, kv_cache: KVCache,
+                 device: torch.device = HOST):
         self.spec = spec
         self.config = config
         self.model = model
         self.kv_cache = kv_cache
+        self.device = device
+        self.fixed_context = device.type == "xla"
 
     @property
     def scratch_slot(self) -> int:
@@ -49,9 +61,10 @@ class StepProgram:
         with torch.inference_mode():
             batch = self._prepare(input_ids, positions, query_lens, slot_ids)
             logits = self.model.forward(batch, self.kv_cache)  # [B, vocab]
-            tokens = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                                   seeds=seeds, output_index=output_index)
-            return tokens.masked_fill(query_lens == 0, 0).to(torch.int32)
+            dev = self.device
+            tokens = sample_tokens(logits, temperature=temperature.to(dev), top_k=top_k.to(dev),
+                                   top_p=top_p.to(dev), seeds=seeds.to(dev), output_index=output_index.to(dev))
+            return tokens.masked_fill(query_lens.to(dev) == 0, 0).to(torch.int32)
 
     def forward_logits(self, *, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: torch.Tensor,
                        slot_ids: torch.Tensor) -> torch.Tensor:
@@ -75,19 +88,23 @@ class StepProgram:
         valid = torch.arange(length).unsqueeze(0) < query_lens.unsqueeze(1)  # [B, L]
         # Padding tokens get id 0 and position 0 whatever the caller left there, so garbage in the
         # padding can neither index out of range nor widen the attended cache prefix.
-        ids = input_ids.long().masked_fill(~valid, 0)
+        on_host = input_ids.device.type == "cpu"
+        host_ids = input_ids.long().masked_fill(~valid, 0) if on_host else None
         pos = positions.long().masked_fill(~valid, 0)
-        self._check(ids, pos, query_lens, slot_ids, length)
+        self._check(host_ids, pos, query_lens, slot_ids, length)
+        dev = self.device
+        # Masked on the device in both cases, so a future input and a host input run one program.
+        ids = input_ids.to(dev).long().masked_fill(~valid.to(dev), 0)
         return ForwardBatch(
             input_ids=ids,
-            positions=pos,
-            write_slots=torch.where(valid, slot_ids.unsqueeze(1), self.scratch_slot),
-            slot_ids=slot_ids,
-            last_index=(query_lens - 1).clamp(min=0),
-            context_len=int(pos.max()) + 1,
+            positions=pos.to(dev),
+            write_slots=torch.where(valid, slot_ids.unsqueeze(1), self.scratch_slot).to(dev),
+            slot_ids=slot_ids.to(dev),
+            last_index=(query_lens - 1).clamp(min=0).to(dev),
+            context_len=self.spec.max_model_len if self.fixed_context else int(pos.max()) + 1,
         )
 
-    def _check(self, ids: torch.Tensor, pos: torch.Tensor, query_lens: torch.Tensor, slot_ids: torch.Tensor,
+    def _check(self, ids: torch.Tensor | None, pos: torch.Tensor, query_lens: torch.Tensor, slot_ids: torch.Tensor,
                length: int) -> None:
         if bool(((query_lens < 0) | (query_lens > length)).any()):
             raise ValueError(f"query_lens {query_lens.tolist()} must lie in [0, {length}]")
@@ -98,14 +115,14 @@ class StepProgram:
         # the scratch slot and then read it as context, which is meaningless.
         if real.unique().numel() != real.numel() or bool((real == self.scratch_slot).any()):
             raise ValueError(f"rows with tokens need distinct real slots, got slot_ids {slot_ids.tolist()}")
-        if bool(((ids < 0) | (ids >= self.config.vocab_size)).any()):
+        if ids is not None and bool(((ids < 0) | (ids >= self.config.vocab_size)).any()):
             raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size})")
         if bool(((pos < 0) | (pos >= self.spec.max_model_len)).any()):
             raise ValueError(f"positions must lie in [0, max_model_len={self.spec.max_model_len})")
 
 
-def build_step_program(spec: ModelSpec) -> StepProgram:
-    """Loads the config and weights named by `spec` and allocates its KV cache (zeros)."""
+def build_step_program(spec: ModelSpec, device: torch.device = HOST) -> StepProgram:
+    """Loads the config and weights named by `spec` and allocates its KV cache (zeros), on `device`."""
     config = load_model_config(spec.model)
     if spec.max_model_len > config.max_position_embeddings:
         raise ValueError(
@@ -113,6 +130,8 @@ def build_step_program(spec: ModelSpec) -> StepProgram:
             f"max_position_embeddings ({config.max_position_embeddings})"
         )
     weights = load_weights(spec.model, config, spec.torch_dtype, seed=spec.seed)
+    if device.type != "cpu":
+        weights = weights.to(device)
     model = LlamaModel(config, weights, spec.max_model_len, spec.torch_dtype)
-    kv_cache = KVCache(config, spec.max_num_seqs, spec.max_model_len, spec.torch_dtype)
-    return StepProgram(spec, config, model, kv_cache)
+    kv_cache = KVCache(config, spec.max_num_seqs, spec.max_model_len, spec.torch_dtype, device)
+    return StepProgram(spec, config, model, kv_cache, device)

@@ -46,6 +46,9 @@ class RopeTable:
         emb = torch.cat((freqs, freqs), dim=-1)  # HF layout: the two halves share frequencies
         return RopeTable(cos=emb.cos().to(dtype), sin=emb.sin().to(dtype))
 
+    def to(self, device: torch.device) -> RopeTable:
+        return RopeTable(cos=self.cos.to(device), sin=self.sin.to(device))
+
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[B, L, 1, head_dim]` for positions `[B, L]`: gathered once per step for all layers."""
         return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)

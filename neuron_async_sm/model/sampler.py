@@ -4,6 +4,12 @@ A row's token is a pure function of (logits row, temperature, top_k, top_p, seed
 noise for vocab id v is a hash of (seed, output_index, v), never a draw from a shared generator. So a
 request samples the same tokens whatever batch, batch position or step it runs in, and a retried or
 replayed step reproduces its tokens.
+
+Device-friendly: every tensor is created on the logits' device, and the shortcuts that skip work for
+a batch (all greedy, no filter) are taken only when the tensors are on the host. On a lazy device
+(XLA) such a data-dependent branch would be a blocking device->host read in the middle of the step,
+which silently makes every async step synchronous; there both branches are computed and selected
+with `torch.where`, which gives the same tokens because a skipped filter is a no-op for its rows.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
 def uniform_noise(seeds: torch.Tensor, output_index: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """u in (0, 1), float64 `[B, vocab]`, for (seeds[b], output_index[b], v). Same inputs, same bits."""
     key = splitmix64(splitmix64(seeds.long()) ^ output_index.long())  # [B]
-    vocab = torch.arange(vocab_size, dtype=torch.int64)
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
     bits = splitmix64(key.unsqueeze(1) + vocab * _GAMMA)  # [B, vocab]: splitmix64's own counter stream
     return (_shr(bits, 11).double() + 0.5) * 2.0**-53  # 53 random bits; +0.5 keeps 0 and 1 out
 
@@ -47,7 +53,8 @@ def sample_tokens(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: tor
     """
     greedy_tokens = logits.argmax(dim=-1)
     greedy = temperature <= 0
-    if bool(greedy.all()):
+    on_host = logits.device.type == "cpu"  # a branch on a host value costs no device sync
+    if on_host and bool(greedy.all()):
         return greedy_tokens
     # Per-row branches below are taken for the whole batch or skipped, but a skipped filter would
     # have been a no-op for that row, so a row's token never depends on its neighbours' parameters.
@@ -55,7 +62,7 @@ def sample_tokens(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: tor
     vocab = logits.shape[-1]
     k_on = (top_k > 0) & (top_k < vocab)
     p_on = top_p < 1.0
-    if bool((k_on | p_on).any()):
+    if not on_host or bool((k_on | p_on).any()):
         scaled = scaled.masked_fill(_filtered_out(scaled, top_k, top_p, k_on, p_on), float("-inf"))
     gumbel = -torch.log(-torch.log(uniform_noise(seeds, output_index, vocab)))
     sampled = (scaled + gumbel).argmax(dim=-1)
@@ -66,7 +73,7 @@ def _filtered_out(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
                   k_on: torch.Tensor, p_on: torch.Tensor) -> torch.Tensor:
     """Bool `[B, vocab]`: tokens outside the row's top-k, or outside the smallest set with mass >= top_p."""
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(scaled.shape[-1]).unsqueeze(0)  # [1, vocab]
+    rank = torch.arange(scaled.shape[-1], device=scaled.device).unsqueeze(0)  # [1, vocab]
     drop = k_on.unsqueeze(1) & (rank >= top_k.long().unsqueeze(1))
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens; rank 0 always has 0
