@@ -6,6 +6,7 @@ engine reads environment variables or re-validates.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -32,7 +33,12 @@ class EngineConfig:
     # tokens must be sampled inside the program (on device). The design requires it.
     on_device_sampling: bool = True
     max_num_seqs: int = 8
-    max_model_len: int = 512
+    # Positions per request (prompt + output). None: the model's max_position_embeddings, reduced to
+    # fit kv_cache_memory_gb. EngineCore resolves it once; every reader after that sees an int.
+    max_model_len: int | None = None
+    # The KV cache's memory budget in GiB. None: half the memory available when the engine starts
+    # (MemAvailable), leaving the rest to the weights, activations and other processes.
+    kv_cache_memory_gb: float | None = None
     max_num_batched_tokens: int = 256  # per-step token budget (prefill chunks + decodes)
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8)  # padded decode batch sizes
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256)  # padded per-row prefill token lengths
@@ -55,7 +61,10 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         _positive("max_num_seqs", self.max_num_seqs)
-        _positive("max_model_len", self.max_model_len)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.kv_cache_memory_gb is not None:
+            _positive_number("kv_cache_memory_gb", self.kv_cache_memory_gb)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("runtime_queue_depth", self.runtime_queue_depth)
         _positive("device_threads", self.device_threads)
@@ -114,6 +123,11 @@ def _device_cpu(cpu: object, device: str) -> None:
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+
+
+def _positive_number(name: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:  # also NaN
+        raise ConfigError(f"{name}: must be a positive number, got {value!r}")
 
 
 def _buckets(name: str, sizes: object) -> tuple[int, ...]:

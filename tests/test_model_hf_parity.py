@@ -1,16 +1,25 @@
-"""Our loader + StepProgram against transformers' LlamaForCausalLM on small random checkpoints."""
+"""Our loader + StepProgram against transformers' LlamaForCausalLM on small random checkpoints.
+
+And the whole engine (LLM in both modes, the CLI) on a checkpoint whose max_position_embeddings is
+256, with no max_model_len given: the engine takes the model's limit.
+"""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.model import ModelSpec, build_step_program, generate_alone, load_model_config
 
 transformers = pytest.importorskip("transformers")
 
+REPO = Path(__file__).resolve().parents[1]
 VOCAB = 192
 PROMPTS = ([1, 17, 33, 150, 9], [1, 5], [1, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111])
 NEW_TOKENS = 12
@@ -88,3 +97,33 @@ def test_llama3_rope_scaling_logits_match(tmp_path: Path) -> None:
                                   slot_ids=torch.tensor([0], dtype=torch.int32))[0]
     # HF computes RoPE angles in float32 even for a float64 model, hence not 1e-12.
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_engine_takes_max_model_len_from_the_checkpoint_and_matches_transformers(
+    tmp_path: Path, async_scheduling: bool
+) -> None:
+    model = save_hf_model(tmp_path, seed=5)
+    assert load_model_config(str(tmp_path)).max_position_embeddings == 256  # below the old default 512
+    expected = [hf_greedy(model, p) for p in PROMPTS]
+    with LLM(str(tmp_path), device="cpu-inprocess", async_scheduling=async_scheduling) as llm:
+        assert llm.config.max_model_len == 256
+        outputs = llm.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=NEW_TOKENS))
+    assert [o.output_token_ids for o in outputs] == expected
+
+
+def test_cli_generates_from_the_checkpoint_without_max_model_len(tmp_path: Path) -> None:
+    """`neuron-async-sm generate --model <dir>` with the default device process and no --max-model-len."""
+    model = save_hf_model(tmp_path / "model", seed=6)
+    prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"request_id": f"r{i}", "prompt_token_ids": p, "max_tokens": NEW_TOKENS} for i, p in enumerate(PROMPTS)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = subprocess.run(
+        [sys.executable, "-m", "neuron_async_sm", "--verbose", "generate", "--model", str(tmp_path / "model"),
+         "--prompts", str(prompts), "--output", str(out), "--no-progress"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "max_model_len=256 (the model's max_position_embeddings)" in proc.stderr
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["output_token_ids"] for r in results] == [hf_greedy(model, p) for p in PROMPTS]

@@ -14,8 +14,9 @@ from concurrent.futures import Future
 
 import torch
 
-from neuron_async_sm.config import ConfigError, EngineConfig
+from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.engine.executor import Executor
+from neuron_async_sm.engine.model_len import resolve_model_len
 from neuron_async_sm.model import (
     TINY_LLAMA,
     LlamaConfig,
@@ -64,24 +65,23 @@ class LogitsProgram:
         return logits.to(logits_dtype(self.program.spec.dtype))
 
 
-def _check_before_device_start(config: EngineConfig, model: LlamaConfig) -> None:
-    """Errors a user can act on, raised on the host instead of from inside the device process."""
+def _check_before_device_start(config: EngineConfig, model: LlamaConfig) -> EngineConfig:
+    """Errors a user can act on, raised on the host instead of from inside the device process.
+
+    Returns `config` with max_model_len resolved against the model and the KV cache budget.
+    """
     if config.model != TINY_LLAMA:
         checkpoint_path(model_directory(config.model))  # raises ModelLoadError naming what is missing
-    if config.max_model_len > model.max_position_embeddings:
-        raise ConfigError(
-            f"max_model_len: {config.max_model_len} exceeds the model's max_position_embeddings "
-            f"({model.max_position_embeddings}); lower --max-model-len"
-        )
+    return resolve_model_len(config, model)  # raises ConfigError naming the numbers and the flags
 
 
 class EngineCore:
     """Scheduler + executor + the step loop."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.model_config = load_model_config(config.model)
-        _check_before_device_start(config, self.model_config)
+        # Resolved once, before anything reads it: from here on max_model_len is the int chosen.
+        self.config = config = _check_before_device_start(config, self.model_config)
         self.tracer = Tracer(config.trace_path)
         spec = ModelSpec(config.model, config.dtype, config.max_num_seqs, config.max_model_len, config.seed)
         self.runtime = create_runtime(

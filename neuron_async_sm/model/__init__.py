@@ -9,6 +9,7 @@ from neuron_async_sm.model.config import (
     tokenizer_path,
 )
 from neuron_async_sm.model.errors import ModelLoadError
+from neuron_async_sm.model.kv_cache import kv_cache_bytes
 from neuron_async_sm.model.program import StepProgram, build_step_program
 from neuron_async_sm.model.reference import RowStep, generate_alone, pack_step
 from neuron_async_sm.model.sampler import sample_tokens
@@ -25,6 +26,7 @@ __all__ = [
     "StepProgram",
     "build_step_program",
     "generate_alone",
+    "kv_cache_bytes",
     "load_model_config",
     "pack_step",
     "sample_tokens",

@@ -76,7 +76,9 @@ class LlamaConfig:
 
 
 # Small random-weight model built in-process (no files). GQA (4 query heads share 2 KV heads) so the
-# grouped attention path is exercised; untied so lm_head is a separate tensor.
+# grouped attention path is exercised; untied so lm_head is a separate tensor. Its 512 positions are
+# its default max_model_len, as a checkpoint's max_position_embeddings is (the engine default before
+# max_model_len was derived from the model, so every tiny-llama run keeps its KV cache size).
 TINY_LLAMA_CONFIG = LlamaConfig(
     vocab_size=1024,
     hidden_size=128,
@@ -87,7 +89,7 @@ TINY_LLAMA_CONFIG = LlamaConfig(
     head_dim=32,
     rms_norm_eps=1e-6,
     rope_theta=10000.0,
-    max_position_embeddings=4096,
+    max_position_embeddings=512,
     tie_word_embeddings=False,
     bos_token_id=1,
     eos_token_ids=(2,),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from neuron_async_sm.model.config import LlamaConfig
@@ -18,8 +20,7 @@ class KVCache:
 
     def __init__(self, config: LlamaConfig, max_num_seqs: int, max_model_len: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
-        shape = (config.num_hidden_layers, max_num_seqs + 1, max_model_len,
-                 config.num_key_value_heads, config.head_dim)
+        shape = kv_cache_shape(config, max_num_seqs, max_model_len)
         # Zeros, so a read of a never-written position is deterministic.
         # k, v: [layers, max_num_seqs + 1, max_model_len, kv_heads, head_dim]
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -48,3 +49,13 @@ class KVCache:
         # index_select on the prefix view copies only context_len positions (3x faster than x[slot_ids]).
         return (self.k[layer, :, :context_len].index_select(0, slot_ids),
                 self.v[layer, :, :context_len].index_select(0, slot_ids))
+
+
+def kv_cache_shape(config: LlamaConfig, max_num_seqs: int, max_model_len: int) -> tuple[int, int, int, int, int]:
+    """The shape of each of K and V: `[layers, max_num_seqs + 1, max_model_len, kv_heads, head_dim]`."""
+    return (config.num_hidden_layers, max_num_seqs + 1, max_model_len, config.num_key_value_heads, config.head_dim)
+
+
+def kv_cache_bytes(config: LlamaConfig, max_num_seqs: int, max_model_len: int, dtype: torch.dtype) -> int:
+    """Bytes `KVCache` allocates: K and V, every slot including the scratch slot, in `dtype`."""
+    return 2 * math.prod(kv_cache_shape(config, max_num_seqs, max_model_len)) * dtype.itemsize
