@@ -68,6 +68,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="tiny-llama weights; seeds of unseeded requests")
     p.add_argument("--runtime-queue-depth", type=int, default=d.runtime_queue_depth, help="programs in flight")
     p.add_argument("--device-time-ms", type=float, default=d.device_time_ms, help="emulated program time")
+    p.add_argument("--device-timeout-s", type=float, default=d.device_timeout_s, help="hung if no progress (0: off)")
     p.add_argument("--trace", default=None, metavar="FILE.ndjson", help="write machine transitions")
     p.add_argument("--stats", default=None, metavar="STATS.json", help="write run statistics as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -87,6 +88,7 @@ def _engine_config(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "runtime_queue_depth": args.runtime_queue_depth,
         "device_time_ms": args.device_time_ms,
+        "device_timeout_s": args.device_timeout_s,
         "trace_path": args.trace,
     }
 

@@ -45,6 +45,9 @@ class EngineConfig:
     seed: int = 0  # seeds tiny-llama's weights and the per-request seeds of unseeded requests
     runtime_queue_depth: int = 32  # in-flight programs before enqueue blocks (Neuron worker default)
     device_time_ms: float = 0.0  # emulated accelerator: hold each program at least this long
+    # A device that completes nothing for this long while work is in flight is hung: killed, every
+    # in-flight request ends with DeviceHungError, the engine is dead. 0 disables (waits are unbounded).
+    device_timeout_s: float = 120.0
     device_threads: int = 1  # torch threads inside the emulated device
     # The CPU the emulated device process owns (as an accelerator has its own silicon); the engine's
     # own threads keep off it. None: no pinning. Matters on a busy machine with few cores.
@@ -74,6 +77,10 @@ class EngineConfig:
             raise ConfigError(f"device_time_ms: must be a number, got {self.device_time_ms!r}")
         if not self.device_time_ms >= 0:  # also rejects NaN
             raise ConfigError(f"device_time_ms: must be >= 0, got {self.device_time_ms}")
+        if not isinstance(self.device_timeout_s, (int, float)) or isinstance(self.device_timeout_s, bool):
+            raise ConfigError(f"device_timeout_s: must be a number of seconds, got {self.device_timeout_s!r}")
+        if not 0 <= self.device_timeout_s < float("inf"):  # also rejects NaN
+            raise ConfigError(f"device_timeout_s: must be >= 0 and finite (0 disables), got {self.device_timeout_s}")
         if max(self.decode_buckets) < self.max_num_seqs:
             raise ConfigError(
                 f"decode_buckets: largest bucket {max(self.decode_buckets)} does not cover "

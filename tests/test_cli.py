@@ -125,7 +125,7 @@ def test_every_generate_flag_in_help_is_accepted(tmp_path, capsys):
         "--max-num-seqs": ["4"], "--max-model-len": ["128"], "--kv-cache-memory-gb": ["1"],
         "--max-num-batched-tokens": ["32"],
         "--decode-buckets": ["1,2,4,8"], "--prefill-buckets": ["16,32"], "--seed": ["3"],
-        "--runtime-queue-depth": ["4"], "--device-time-ms": ["1"],
+        "--runtime-queue-depth": ["4"], "--device-time-ms": ["1"], "--device-timeout-s": ["60"],
         "--trace": [str(trace)], "--stats": [str(stats)], "--no-progress": [],
     }  # fmt: skip
     assert _help_flags(["generate"], capsys) == set(values), "a new flag needs a value in this test"

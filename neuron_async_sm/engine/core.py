@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 import torch
 
@@ -37,6 +38,10 @@ from neuron_async_sm.worker.model_input import logits_dtype
 from neuron_async_sm.worker.model_runner import LOGITS_PROGRAM, STEP_PROGRAM, ModelRunner
 
 logger = logging.getLogger("neuron_async_sm")
+
+TEARDOWN_WAIT_S = 2.0
+"""Bound on teardown's waits for host work. They run after the runtime is down, when no wait on the
+device is left: an in-flight output then resolves in milliseconds, so this is only a backstop."""
 
 
 class EngineDeadError(RuntimeError):
@@ -91,6 +96,7 @@ class EngineCore:
             device_time_ms=config.device_time_ms,
             num_threads=config.device_threads,
             device_cpu=config.device_cpu,
+            device_timeout_s=config.device_timeout_s,
         )
         self.runner = ModelRunner(
             config, self.runtime, vocab_size=self.model_config.vocab_size, rank=0, tracer=self.tracer
@@ -109,6 +115,7 @@ class EngineCore:
         )
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
         self.dead_reason: str | None = None
+        self.interrupted = False  # a step was interrupted (Ctrl-C): shutdown() waits for nothing
         self.num_steps = 0  # forward steps enqueued
         self.num_output_tokens = 0
         self._busy_s = 0.0  # time inside run_step(): tokens/s is not diluted by a client's idle time
@@ -168,6 +175,8 @@ class EngineCore:
         if not self.batch_queue:
             return []
         scheduled, future = self.batch_queue.popleft()
+        # Unbounded here, bounded below: the output thread waits only on the device, whose watchdog
+        # fails every waiter after device_timeout_s without progress (DeviceHungError; 0: unbounded).
         return self.scheduler.update_from_output(scheduled, future.result())
 
     def run_step(self) -> list[RequestDelta]:
@@ -178,6 +187,10 @@ class EngineCore:
             deltas = self.step_fn()
         except Exception as exc:  # the device or the output thread failed
             return self._die(exc)
+        except KeyboardInterrupt:
+            # Hazard: a hung device. The user stopped waiting for it; shutdown() must not wait again.
+            self.interrupted = True
+            raise
         finally:
             self._busy_s += time.perf_counter() - started
         self.num_output_tokens += sum(len(d.new_token_ids) for d in deltas)
@@ -190,15 +203,30 @@ class EngineCore:
         reason = f"{type(exc).__name__}: {exc}"
         logger.error("engine failed: %s", reason)
         self.dead_reason = reason
-        # Drain: every in-flight step resolves (its program ran or failed); wait for each so no
-        # output is left half-materialized, then stop the output thread.
-        while self.batch_queue:
-            _, future = self.batch_queue.popleft()
-            future.exception(timeout=60)
+        self._stop(force=False)
         self.executor.drop_pending()
-        self.executor.shutdown()
-        self.runtime.close()
         return self.scheduler.fail_all(reason)
+
+    def _stop(self, *, force: bool) -> None:
+        """Close the runtime, then drain the in-flight steps and stop the output thread; bounded.
+
+        The runtime goes first: closing it releases every waiter on the device (a hung or stopped
+        device included), so the drain after it waits on host work only. `force`: the device gets
+        no grace either; it is killed at once.
+        """
+        if force:
+            self.runtime.kill()
+        else:
+            self.runtime.close()
+        in_flight = [future for _, future in self.batch_queue or ()]
+        if self.batch_queue:
+            self.batch_queue.clear()
+        # Hazard: a half-materialized output. fail_all() and drop_pending() must not run while the
+        # output thread still writes a step's tokens back: wait until every in-flight step resolved.
+        late = wait(in_flight, timeout=TEARDOWN_WAIT_S).not_done
+        if late:
+            logger.warning("%d in-flight step outputs did not resolve within %.0f s", len(late), TEARDOWN_WAIT_S)
+        self.executor.shutdown(timeout_s=TEARDOWN_WAIT_S)
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
@@ -224,10 +252,12 @@ class EngineCore:
             logger.info("engine stats: %s", self.stats())
 
     def shutdown(self) -> None:
-        if self.batch_queue:
-            for _, future in self.batch_queue:
-                future.exception(timeout=60)
-            self.batch_queue.clear()
-        self.executor.shutdown()
-        self.runtime.close()
+        """Stop the device and the output thread; returns within a few seconds, even on a hung device.
+
+        Torn down by an interrupt (Ctrl-C; the CLI's SIGTERM), it waits for nothing: the user may be
+        interrupting a device that stopped responding, so the device is killed at once.
+        """
+        # exc_info: called from a `finally` / `__exit__` while the interrupt propagates.
+        interrupted = self.interrupted or isinstance(sys.exc_info()[1], KeyboardInterrupt)
+        self._stop(force=interrupted)
         self.tracer.close()

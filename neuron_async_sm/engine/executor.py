@@ -8,6 +8,7 @@ Ranks run in this process today; a multi-process rank only has to provide the sa
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from concurrent.futures import Future
@@ -18,6 +19,8 @@ from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput
 from neuron_async_sm.worker.model_runner import ModelRunner
 
 _STOP = object()
+
+logger = logging.getLogger("neuron_async_sm")
 
 
 class Executor:
@@ -33,9 +36,7 @@ class Executor:
         self._output_thread: threading.Thread | None = None
         if async_output:
             self._output_queue = queue.Queue()
-            self._output_thread = threading.Thread(
-                target=self._async_output_loop, name="async-output", daemon=True
-            )
+            self._output_thread = threading.Thread(target=self._async_output_loop, name="async-output", daemon=True)
             self._output_thread.start()
 
     def execute_model(self, scheduled: SchedulerOutput) -> None:
@@ -79,8 +80,15 @@ class Executor:
         for runner in self.runners:
             runner.drop_pending()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 2.0) -> None:
+        """Stop the async output thread after the outputs queued before; waits at most `timeout_s`.
+
+        The thread waits only on the device, so once the runtime is down it exits in milliseconds;
+        one that does not (a bug) is abandoned (a daemon) rather than hanging the caller.
+        """
         if self._output_thread is not None and self._output_queue is not None:
             self._output_queue.put(_STOP)
-            self._output_thread.join(timeout=30)
+            self._output_thread.join(timeout=timeout_s)
+            if self._output_thread.is_alive():
+                logger.warning("async output thread did not stop within %.0f s; abandoned", timeout_s)
             self._output_thread = None

@@ -9,10 +9,11 @@ against and ``create_runtime`` for the emulated backends.
 from .api import DeviceFuture, DeviceRuntime, Program, ProgramFactory, RuntimeStats, TensorSpec
 from .config import DeviceKind, RuntimeConfig, keep_off_cpu
 from .create import create_runtime, create_runtime_from_config
-from .errors import DeviceLostError, DeviceProgramError, DeviceStartupError
+from .errors import DeviceHungError, DeviceLostError, DeviceProgramError, DeviceStartupError
 
 __all__ = [
     "DeviceFuture",
+    "DeviceHungError",
     "DeviceKind",
     "DeviceLostError",
     "DeviceProgramError",

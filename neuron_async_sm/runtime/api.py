@@ -147,6 +147,11 @@ class DeviceRuntime(ABC):
     def close(self) -> None:
         """Stop the device (idempotent, never hangs); waiters get ``DeviceLostError``."""
 
+    def kill(self) -> None:
+        """``close()`` without waiting for the device to finish anything: teardown after Ctrl-C or a
+        hang, when the device may be stopped. A backend that cannot force its device simply closes."""
+        self.close()
+
     def __enter__(self) -> DeviceRuntime:
         return self
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import os
 from dataclasses import dataclass
 
@@ -32,6 +33,9 @@ class RuntimeConfig:
     num_threads: int = 1  # torch intra-op threads of the device process (PROCESS only)
     device_cpu: int | None = None  # the CPU the device process runs on; host threads keep off it (PROCESS only)
     close_grace_s: float = 1.0  # how long close() waits for the device before forcing it down
+    # No ProgramDone / Fetched for this long while work is in flight: the device is hung (killed,
+    # DeviceHungError). 0 disables the watchdog: a hung device then blocks its waiters forever.
+    device_timeout_s: float = 120.0
     recent_times_kept: int = 1024  # per-program device times kept for medians
 
     def __post_init__(self) -> None:
@@ -47,6 +51,8 @@ class RuntimeConfig:
             raise ValueError("RuntimeConfig.device_cpu needs the process backend (device='cpu')")
         if self.close_grace_s < 0:
             raise ValueError(f"RuntimeConfig.close_grace_s must be >= 0, got {self.close_grace_s}")
+        if not 0 <= self.device_timeout_s < math.inf:  # also rejects NaN
+            raise ValueError(f"RuntimeConfig.device_timeout_s must be >= 0 and finite, got {self.device_timeout_s}")
         if self.recent_times_kept < 1:
             raise ValueError(f"RuntimeConfig.recent_times_kept must be >= 1, got {self.recent_times_kept}")
 

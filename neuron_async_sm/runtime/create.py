@@ -16,6 +16,7 @@ def create_runtime(
     device_time_ms: float = 0.0,
     num_threads: int = 1,
     device_cpu: int | None = None,
+    device_timeout_s: float = 120.0,
 ) -> DeviceRuntime:
     """Start a device and block until its programs are built.
 
@@ -26,6 +27,9 @@ def create_runtime(
     ``num_threads`` is ignored (it would change this process's torch threads).
     ``device_cpu`` (process backend): the CPU the device process is pinned to;
     the runtime's receiver thread keeps off it (see ``keep_off_cpu``).
+    ``device_timeout_s``: a device that completes nothing for this long while work is in flight
+    is declared hung: killed (a device thread is abandoned), every waiter gets ``DeviceHungError``.
+    0 disables the watchdog.
 
     Raises ``ValueError`` for an unknown device or a bad setting, and
     ``DeviceStartupError`` (with the device-side traceback) if ``programs()`` raises.
@@ -36,6 +40,7 @@ def create_runtime(
         device_time_ms=device_time_ms,
         num_threads=num_threads,
         device_cpu=device_cpu,
+        device_timeout_s=device_timeout_s,
     )
     return create_runtime_from_config(config, programs)
 

@@ -5,7 +5,8 @@ The hierarchy lets a caller catch everything the device can do to it with one
 
     DeviceProgramError          a program (or a program it depends on) failed
     └── DeviceLostError         the device is gone: killed, crashed or closed
-        └── DeviceStartupError  the device never became usable (the factory failed)
+        ├── DeviceStartupError  the device never became usable (the factory failed)
+        └── DeviceHungError     the device stopped making progress; the runtime killed it
 """
 
 from __future__ import annotations
@@ -33,4 +34,12 @@ class DeviceStartupError(DeviceLostError):
 
     The message carries the device-side traceback so that a model that fails
     to load explains itself on the host.
+    """
+
+
+class DeviceHungError(DeviceLostError):
+    """The device made no progress on in-flight work for ``device_timeout_s``; the runtime killed it.
+
+    A lost device to every handler (``except DeviceLostError``); the message says how long the
+    device was silent, how much work it held, and what was done to it (killed, or abandoned).
     """

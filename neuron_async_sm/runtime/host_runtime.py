@@ -7,6 +7,7 @@ import dataclasses
 import enum
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping
 
@@ -14,7 +15,7 @@ import torch
 
 from .api import DeviceFuture, DeviceRuntime, RuntimeStats, TensorSpec
 from .config import RuntimeConfig, keep_off_cpu
-from .errors import DeviceLostError, DeviceProgramError, DeviceStartupError
+from .errors import DeviceHungError, DeviceLostError, DeviceProgramError, DeviceStartupError
 from .host_future import HostFuture
 from .messages import (
     DeviceMessage,
@@ -44,14 +45,24 @@ class RuntimeState(enum.Enum):
     RUNNING = "running"
     CLOSED = "closed"  # close() was called
     LOST = "lost"  # the device went away on its own (killed, crashed)
+    HUNG = "hung"  # in-flight work saw no completion for device_timeout_s: the watchdog forced the device down
 
 
 class HostRuntime(DeviceRuntime):
     """``DeviceRuntime`` over a ``HostChannel`` to a ``DeviceLoop``.
 
     Threads: any number of callers (``enqueue``, ``to_host``, ``release``) plus
-    one receiver thread that dispatches device messages. Locks, always taken in
+    one receiver thread that dispatches device messages and, unless
+    ``device_timeout_s`` is 0, one watchdog thread. Locks, always taken in
     this order: a future's lock → ``_send_lock`` → ``_state_cv``.
+
+    Nothing waits forever: every waiter (``to_host``, a blocked ``enqueue``)
+    waits on something ``_device_gone`` releases, and it runs on EOF (the device
+    died), on ``close()``, and from the watchdog when in-flight work sees no
+    ``ProgramDone`` / ``Fetched`` for ``device_timeout_s`` (``DeviceHungError``).
+    Two waits are unbounded on purpose: startup (``_await_ready``: building the
+    programs may take as long as loading the weights does; a device that dies
+    meanwhile gives EOF) and the receiver's ``recv`` on an idle device.
 
     - ``_send_lock`` orders everything sent to the device; sequence numbers are
       assigned under it, so message order == sequence order.
@@ -81,12 +92,21 @@ class HostRuntime(DeviceRuntime):
         # (state) seq → its pushed output (None until its ProgramDone arrives) for every pushed
         # program whose output is neither read nor released yet.
         self._pushed: dict[int, WireTensor | None] = {}
+        # (state) when the device last showed progress: its last ProgramDone / Fetched, or the moment
+        # work arrived while nothing was in flight (an idle device's silence is not a hang).
+        self._last_progress = time.monotonic()
+        self._down = threading.Event()  # set once the runtime stops accepting work: the watchdog exits
         self._stats = StatsRecorder(config.recent_times_kept)
         self._receiver = threading.Thread(target=self._receive_loop, name="neuron-device-rx", daemon=True)
         self._receiver.start()
+        self._watchdog = threading.Thread(target=self._watch_progress, name="neuron-device-watchdog", daemon=True)
+        if config.device_timeout_s > 0:
+            self._watchdog.start()
 
     def _await_ready(self) -> frozenset[str]:
         try:
+            # Unbounded on purpose: the factory loads the weights, which takes what it takes; a device
+            # that dies meanwhile closes the channel (EOF below).
             message: DeviceMessage = self._channel.recv()
         except (EOFError, OSError):
             reason = self._channel.describe_exit()
@@ -138,6 +158,7 @@ class HostRuntime(DeviceRuntime):
                     # Registered under the state lock: a device loss either sees this entry and
                     # sets it, or happened first and we raise — the waiter can never hang.
                     self._raise_if_down()
+                    self._note_work_arrives()
                     self._unfinished[seq] = finished
                     if push:
                         self._pushed[seq] = None
@@ -164,6 +185,13 @@ class HostRuntime(DeviceRuntime):
         self._stats.reset()
 
     def close(self) -> None:
+        self._close(self._config.close_grace_s)
+
+    def kill(self) -> None:
+        """``close()`` that does not wait for the device: it is forced down at once."""
+        self._close(0.0)
+
+    def _close(self, grace: float) -> None:
         with self._state_cv:
             if self._close_started:
                 return
@@ -171,7 +199,10 @@ class HostRuntime(DeviceRuntime):
             if self._state is RuntimeState.RUNNING:
                 self._state, self._down_reason = RuntimeState.CLOSED, "the runtime was closed"
             self._state_cv.notify_all()  # blocked enqueues wake up and raise
-        grace = self._config.close_grace_s
+        if grace == 0:
+            # Hazard: a Shutdown sent to a stopped device can block forever on a full pipe; to a
+            # killed one it fails at once. A device thread is not killed: it gets the Shutdown.
+            self._channel.kill()
         # A sender stuck on a full pipe holds the send lock; do not wait on it forever.
         if self._send_lock.acquire(timeout=grace):
             try:
@@ -184,7 +215,10 @@ class HostRuntime(DeviceRuntime):
         # Fail the waiters here as well: a device thread stuck in a program never reaches EOF.
         self._device_gone(self._down_reason)
         if stopped:
-            self._receiver.join(grace)  # it sees EOF at once; an abandoned device thread never sends it
+            # It sees EOF at once (briefly joined even by kill()); an abandoned device thread never sends it.
+            self._receiver.join(grace or 0.5)
+        if self._watchdog.is_alive():
+            self._watchdog.join(grace or 0.5)  # woken by _device_gone; it may be killing the device right now
         self._deferred_releases.clear()
 
     # ---- FutureOwner (called by HostFuture) ------------------------------------------------------
@@ -195,7 +229,9 @@ class HostRuntime(DeviceRuntime):
             finished = self._unfinished.get(future_id)
         if pushed:
             if finished is not None:
-                finished.wait()  # set after the pushed value is stored, or when the device is gone
+                # Set after the pushed value is stored, or by _device_gone: the device died, was
+                # closed, or the watchdog declared it hung. Bounded by device_timeout_s (0: unbounded).
+                finished.wait()
             with self._state_cv:
                 value = self._pushed.pop(future_id, None)
             if value is not None:
@@ -209,9 +245,12 @@ class HostRuntime(DeviceRuntime):
             self._next_fetch += 1
             with self._state_cv:
                 self._raise_if_down()
+                self._note_work_arrives()
                 self._fetches[request_id] = reply
             self._send(Fetch(request_id, future_id))
-        value = reply.result()  # blocks; raises what the receiver set (program failure, device loss)
+        # Blocks; raises what the receiver set (program failure) or _device_gone did (loss, close,
+        # hang). Bounded by device_timeout_s like every waiter (0: unbounded).
+        value = reply.result()
         self._stats.host_transfer(value.nbytes)
         return value.decode()
 
@@ -246,8 +285,8 @@ class HostRuntime(DeviceRuntime):
 
     def _acquire_slot(self) -> None:
         with self._state_cv:
-            # Bounded in-flight queue: block (never drop) until a program finishes. A device loss
-            # or close() notifies all, so a blocked enqueue cannot hang.
+            # Bounded in-flight queue: block (never drop) until a program finishes. A device loss,
+            # close() or the watchdog (a full queue is in-flight work) notifies all: cannot hang.
             while self._state is RuntimeState.RUNNING and self._slots_in_use >= self._config.queue_depth:
                 self._state_cv.wait()
             self._raise_if_down()
@@ -261,7 +300,19 @@ class HostRuntime(DeviceRuntime):
     def _raise_if_down(self) -> None:
         """Caller holds ``_state_cv``."""
         if self._state is not RuntimeState.RUNNING:
-            raise DeviceLostError(f"device runtime is {self._state.value}: {self._down_reason}")
+            raise self._down_error()
+
+    def _down_error(self) -> DeviceLostError:
+        """Caller holds ``_state_cv``; the runtime is down. What every waiter and later call gets."""
+        error = DeviceHungError if self._state is RuntimeState.HUNG else DeviceLostError
+        return error(f"device runtime is {self._state.value}: {self._down_reason}")
+
+    def _note_work_arrives(self) -> None:
+        """Caller holds ``_state_cv``, about to register a program or a fetch."""
+        if not self._unfinished and not self._fetches:
+            # Hazard: a false hang. An idle device completes nothing; its silence only counts from
+            # the moment it has work, not from its last completion (maybe minutes ago).
+            self._last_progress = time.monotonic()
 
     def _send(self, message: HostMessage) -> None:
         """Caller holds ``_send_lock``. Flushes deferred releases first, inside a RunProgram when
@@ -284,7 +335,8 @@ class HostRuntime(DeviceRuntime):
         except OSError as exc:
             reason = self._channel.describe_exit()
             self._device_gone(reason)
-            raise DeviceLostError(f"device lost while sending: {reason} ({exc})") from exc
+            error = DeviceHungError if self._state is RuntimeState.HUNG else DeviceLostError  # final once down
+            raise error(f"device lost while sending: {reason} ({exc})") from exc
 
     def _receive_loop(self) -> None:
         """Receiver thread: dispatch completions and fetched values until the device is gone."""
@@ -308,10 +360,9 @@ class HostRuntime(DeviceRuntime):
             self._device_gone(reason)
 
     def _on_program_done(self, message: ProgramDone) -> None:
-        self._stats.program_done(
-            message.device_time_s, message.error is not None, message.live_futures, message.idle_s
-        )
+        self._stats.program_done(message.device_time_s, message.error is not None, message.live_futures, message.idle_s)
         with self._state_cv:
+            self._last_progress = time.monotonic()
             if message.seq in self._pushed:  # else: not pushed, or already released
                 self._pushed[message.seq] = message.value  # stored before `finished` is set
             finished = self._unfinished.pop(message.seq, None)  # None: close() already released it
@@ -322,6 +373,7 @@ class HostRuntime(DeviceRuntime):
 
     def _on_fetched(self, message: Fetched) -> None:
         with self._state_cv:
+            self._last_progress = time.monotonic()
             reply = self._fetches.pop(message.request_id, None)
         if reply is None:
             return  # close() already failed this waiter with DeviceLostError
@@ -330,17 +382,48 @@ class HostRuntime(DeviceRuntime):
         else:
             reply.set_exception(DeviceProgramError(message.error or "fetch failed"))
 
+    def _watch_progress(self) -> None:
+        """Watchdog thread: in-flight work with no completion for ``device_timeout_s`` is a hung device.
+
+        Declares it (HUNG), forces the device down (a process is killed, a thread abandoned) and
+        releases every waiter with DeviceHungError through ``_device_gone``, like any lost device.
+        """
+        timeout = self._config.device_timeout_s
+        while True:
+            with self._state_cv:
+                if self._state is not RuntimeState.RUNNING:
+                    return
+                in_flight = len(self._unfinished) + len(self._fetches)
+                silent_s = time.monotonic() - self._last_progress
+                if in_flight and silent_s >= timeout:
+                    pid = self._channel.pid
+                    forced = "abandoned the device thread" if pid is None else f"killed device process {pid}"
+                    self._state = RuntimeState.HUNG  # set first: the EOF the kill causes must not say LOST
+                    self._down_reason = (
+                        f"no program completed for {silent_s:.1f} s with {in_flight} in flight "
+                        f"(device_timeout_s={timeout:g}); {forced}"
+                    )
+                    break
+                sleep_s = timeout - silent_s if in_flight else timeout
+            # Hazard: a lost wake-up. Never sleeps on _state_cv: its notify() wakes one waiter, and a
+            # wake-up the watchdog took would leave an enqueue blocked beside a free slot.
+            if self._down.wait(sleep_s):
+                return
+        self._channel.kill()
+        self._device_gone(self._down_reason)
+
     def _device_gone(self, reason: str) -> None:
         """Stop accepting work and release every waiter with DeviceLostError (idempotent)."""
         with self._state_cv:
             if self._state is RuntimeState.RUNNING:
                 self._state, self._down_reason = RuntimeState.LOST, reason
-            text = f"device runtime is {self._state.value}: {self._down_reason}"
             for finished in self._unfinished.values():
                 finished.set()
             self._unfinished.clear()
             self._pushed.clear()
             fetches, self._fetches = self._fetches, {}
+            errors = [(reply, self._down_error()) for reply in fetches.values()]  # one instance per waiter
             self._state_cv.notify_all()
-        for reply in fetches.values():
-            reply.set_exception(DeviceLostError(text))
+        self._down.set()
+        for reply, error in errors:
+            reply.set_exception(error)

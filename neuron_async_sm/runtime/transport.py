@@ -49,6 +49,13 @@ class HostChannel(ABC):
     def describe_exit(self) -> str:
         """Why the device went away, for DeviceLostError messages."""
 
+    @abstractmethod
+    def kill(self) -> None:
+        """Force a hung device down now, leaving the channel open (the receiver then sees EOF).
+
+        A device that cannot be forced down is abandoned; the runtime releases its waiters all the same.
+        """
+
     @property
     def pid(self) -> int | None:
         """The device process id, or None when the device is not a process."""
@@ -155,6 +162,9 @@ class ProcessChannel(HostChannel):
             self._process.join(grace_s)
             if self._process.is_alive():
                 self._process.terminate()
+                # Hazard: a stopped (SIGSTOPped) child holds SIGTERM pending until it is continued;
+                # without SIGCONT the join below waits out its whole second before the SIGKILL.
+                self._signal(signal.SIGCONT)
                 self._process.join(1.0)
             if self._process.is_alive():
                 self._process.kill()
@@ -162,6 +172,19 @@ class ProcessChannel(HostChannel):
             stopped = not self._process.is_alive()
         self._conn.close()
         return stopped
+
+    def kill(self) -> None:
+        with self._reap_lock:
+            if self._process.is_alive():
+                self._process.kill()  # SIGKILL is delivered even to a stopped process
+                self._process.join(1.0)
+
+    def _signal(self, signum: signal.Signals) -> None:
+        """Caller holds the reap lock and saw the child alive: its pid cannot have been reused."""
+        try:
+            os.kill(self._process.pid, signum)  # type: ignore[arg-type]
+        except ProcessLookupError:
+            pass  # exited in between; the join reaps it
 
     def describe_exit(self) -> str:
         with self._reap_lock:
@@ -239,3 +262,6 @@ class ThreadChannel(HostChannel):
 
     def describe_exit(self) -> str:
         return self._exit_reason
+
+    def kill(self) -> None:
+        pass  # a thread cannot be killed: a hung one is abandoned (a daemon); the runtime fails its waiters
