@@ -259,6 +259,14 @@ Materializes(path, allDecode) ==
     \/ path = "CompositionBreak" /\ CompositionGuard
     \/ path = "ShapeMismatchRebuild" /\ RebuildOnShapeMismatch /\ (allDecode \/ RebuildWhenNotAllDecode)
 
+\* Where the path's decode rows take their input ids from (a prefill row's input is its prompt):
+\* the CPU-built ones, the pending future as it is, or the future's rows gathered into the new order.
+\* With Materializes, what async_machine.PLANS declares per path state (model_check checks both agree).
+InputSource(path) ==
+    CASE path = "Steady" -> "future"
+      [] path = "ReorderRemap" -> IF RemapOnReorder THEN "remapped_future" ELSE "future"
+      [] OTHER -> "cpu"
+
 \* What the worker makes of one scheduler choice: the row order after update, the observation,
 \* and the path the machine takes. Building the set evaluates every plan completely.
 Plan(sch) ==
@@ -381,10 +389,9 @@ Reinstate ==
                LET r == c.curr[i] IN
                IF r \notin c.decode THEN Prompt
                \* Device-to-device: the future is the input.
-               ELSE IF c.path = "Steady" THEN FutureRow(i)
+               ELSE IF InputSource(c.path) = "future" THEN FutureRow(i)
                \* Hazard: token ownership after condense(). Row i must get curr[i]'s token, not prev[i]'s.
-               ELSE IF c.path = "ReorderRemap" THEN
-                   IF RemapOnReorder THEN FutureRow(IndexOf(prev.rows, r)) ELSE FutureRow(i)
+               ELSE IF InputSource(c.path) = "remapped_future" THEN FutureRow(IndexOf(prev.rows, r))
                \* CPU-built: the host copy of r's previous output (POISON_TOKEN when not there yet).
                ELSE HostTok(r, c.outIdx[i] - 1)
            inputs == [i \in DOMAIN c.curr |-> Input(i)]

@@ -67,6 +67,11 @@ def test_only_steady_is_async():
     assert set(sm.PATH_STATES) | {sm.IDLE, sm.REINSTATE} == set(sm.STATES)
 
 
+def test_every_path_state_has_one_plan_and_only_path_states_have_one():
+    assert set(sm.PLANS) == set(sm.PATH_STATES)
+    assert all(isinstance(plan.input_source, sm.InputSource) for plan in sm.PLANS.values())
+
+
 def test_transition_callback_reports_every_transition():
     seen = []
     machine = sm.AsyncStepMachine(on_transition=lambda *t: seen.append(t))

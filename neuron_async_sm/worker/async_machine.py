@@ -1,7 +1,8 @@
 """The worker's per-step async decision as an explicit state machine.
 
-The transition table below is declared once, as data. Everything else is derived from it: the
-runtime guard (a `transitions` machine), the pure `decide()` used by tests, the state diagram
+The transition table below is declared once, as data, and beside it each path state's plan (what the
+runner does on that path). Everything else is derived from them: the runtime guard (a `transitions`
+machine), the pure `decide()` used by tests, the runner's step, the state diagram
 (`neuron-async-sm diagram`) and the cross-check against the TLA+ spec.
 
 Between steps the machine rests in one of two states:
@@ -28,8 +29,10 @@ This module has no torch: observations are plain values.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import Enum
+from types import MappingProxyType
 
 from transitions import Machine
 
@@ -95,6 +98,34 @@ TRANSITIONS: tuple[dict, ...] = (
     # A failure, or an engine that shut down, drops the pending future.
     {"trigger": "drain", "source": list(STATES), "dest": IDLE},
 )
+
+
+class InputSource(Enum):
+    """Where a step's input_ids come from. The values are the spec's (`InputSource` in the spec)."""
+
+    CPU = "cpu"  # built on the host from the CPU token state (prefill rows: always their prompt)
+    FUTURE = "future"  # the pending sampled-token future as it is: device to device, no host round trip
+    REMAPPED_FUTURE = "remapped_future"  # the future's real rows gathered into this step's row order
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the runner does on one path state; the runner reads it and never the state's name."""
+
+    materialize_first: bool  # bring the pending output to the host before the batch is updated
+    input_source: InputSource
+
+
+# Each path state's plan: the spec's `Materializes` and `InputSource` (model_check checks they agree).
+PLANS: Mapping[str, StepPlan] = MappingProxyType({
+    NO_PENDING_FUTURE:      StepPlan(materialize_first=False, input_source=InputSource.CPU),
+    # Hazard: stale input ids. Materialize before inputs are built, then build them on the CPU.
+    COMPOSITION_BREAK:      StepPlan(materialize_first=True,  input_source=InputSource.CPU),
+    SHAPE_MISMATCH_REBUILD: StepPlan(materialize_first=True,  input_source=InputSource.CPU),
+    # Hazard: token ownership after condense(). The future's rows must follow their requests.
+    REORDER_REMAP:          StepPlan(materialize_first=False, input_source=InputSource.REMAPPED_FUTURE),
+    STEADY:                 StepPlan(materialize_first=False, input_source=InputSource.FUTURE),
+})  # fmt: skip
 
 
 def decide(obs: StepObservation) -> str:

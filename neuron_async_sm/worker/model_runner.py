@@ -30,6 +30,8 @@ from neuron_async_sm.worker.model_input import (
 
 STEP_PROGRAM = "model_step"  # forward + on-device sampling -> token ids [B] int32
 LOGITS_PROGRAM = "model_logits"  # forward only -> logits [B, vocab], sampled on the host
+# Sync mode (the reference) runs no machine: nothing is ever pending, every input is CPU-built.
+SYNC_PLAN = sm.StepPlan(materialize_first=False, input_source=sm.InputSource.CPU)
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,8 @@ class ModelRunner:
         """Update states, prepare inputs, enqueue the program. Sync mode blocks on its output."""
         self._step_id = scheduled.step_id
         path = self._begin_async_step(scheduled) if self.use_async_scheduling else None
-        if path in (sm.COMPOSITION_BREAK, sm.SHAPE_MISMATCH_REBUILD):
+        plan = SYNC_PLAN if path is None else sm.PLANS[path]
+        if plan.materialize_first:
             # Hazard: stale input ids. The newest token of these requests exists only in the pending
             # future; materialize it into CPU state *before* the batch is updated and inputs built.
             self._materialize_pending()
@@ -100,7 +103,7 @@ class ModelRunner:
         model_input = self._prepare_model_input(scheduled)
         if path is not None:
             assert model_input.req_ids == self._step_req_ids, "row order differs from the observed order"
-        input_ids = self._async_input_ids(path, model_input)
+        input_ids = self._async_input_ids(plan.input_source, model_input)
         if self.config.on_device_sampling:
             out = TensorSpec((model_input.num_rows,), SAMPLED_DTYPE)
             future = self.runtime.enqueue(STEP_PROGRAM, model_input.program_inputs(input_ids), out)
@@ -149,15 +152,15 @@ class ModelRunner:
         )
         return self.machine.begin_step(obs)
 
-    def _async_input_ids(self, path: str | None, model_input: ModelInput) -> DeviceFuture | torch.Tensor | None:
-        """The input_ids the plan calls for; None means the CPU-built ones."""
-        if path == sm.STEADY:
-            assert self.buffer is not None
+    def _async_input_ids(self, source: sm.InputSource, model_input: ModelInput) -> DeviceFuture | torch.Tensor | None:
+        """The input_ids the plan's input source calls for; None means the CPU-built ones."""
+        if source is sm.InputSource.CPU:
+            return None
+        assert self.buffer is not None, "the machine plans a future input only when one is pending"
+        if source is sm.InputSource.FUTURE:
             # Device-to-device feed: the previous step's sampled tokens are this step's input ids.
             return self.buffer.future
-        if path == sm.REORDER_REMAP:
-            return self._remap_pending(model_input)
-        return None
+        return self._remap_pending(model_input)  # InputSource.REMAPPED_FUTURE
 
     def _remap_pending(self, model_input: ModelInput) -> torch.Tensor:
         """Permute the future's real rows into the current order; padding rows stay where they are.
