@@ -22,6 +22,7 @@ from neuron_async_sm.outputs import RequestOutput
 from neuron_async_sm.results_file import ResultsFile, ResultsWriteError
 from neuron_async_sm.runtime import DeviceStartupError
 from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
+from neuron_async_sm.serve.command import add_serve_parser
 
 EXIT_OK = 0  # every request succeeded
 EXIT_FAILED = 1  # at least one request failed (bad line, engine error); every other result is still written
@@ -149,7 +150,11 @@ def run_generate(args: argparse.Namespace) -> int:
         tokenizer = Tokenizer.from_file(path)
     items: list[PromptRequest | RequestOutput] = []
     seen_ids: set[str] = set()
-    for i, line in enumerate(Path(args.prompts).read_text(encoding="utf-8").splitlines()):
+    try:
+        lines = Path(args.prompts).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"prompts: cannot read {args.prompts}: {getattr(exc, 'strerror', None) or exc}") from exc
+    for i, line in enumerate(lines):
         if not line.strip():
             continue  # blank lines are skipped, but still counted so "line N" matches the file
         try:
@@ -351,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     diagram.set_defaults(func=run_diagram)
 
     add_bench_parser(sub)  # neuron_async_sm/bench/command.py
+    add_serve_parser(sub)  # neuron_async_sm/serve/command.py
     return parser
 
 
@@ -374,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, ModelLoadError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc or type(exc).__name__}", file=sys.stderr)  # never an empty message
         return EXIT_USAGE
     except DeviceStartupError as exc:
         # The model is loaded inside the device; its message ends with the device-side traceback,

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import device_pid, process_gone
 
 REPO = Path(__file__).resolve().parents[1]
 LONG = {"max_tokens": 400, "ignore_eos": True}  # long enough that a fault lands mid-run
@@ -48,18 +49,6 @@ def wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 
             return
         time.sleep(0.05)
     raise AssertionError(f"{path} never reached {n} lines")
-
-
-def device_pid(cli_pid: int) -> int:
-    """The device process: the CLI's spawned child (multiprocessing's spawn entry point)."""
-    for _ in range(200):
-        children = Path(f"/proc/{cli_pid}/task/{cli_pid}/children").read_text().split()
-        for pid in children:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-            if b"multiprocessing" in cmdline and b"resource_tracker" not in cmdline:
-                return int(pid)
-        time.sleep(0.05)
-    raise AssertionError("no device process found")
 
 
 def requests(n: int, **params) -> list[dict]:
@@ -159,3 +148,70 @@ def test_text_field_when_the_model_has_a_tokenizer(tmp_path):
     [result] = read_jsonl(out)
     assert len(result["output_token_ids"]) == 4
     assert result["text"] == tokenizer.decode(result["output_token_ids"]) and result["text"].startswith("w")
+
+
+def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text("from neuron_async_sm import LLM\nLLM('tiny-llama').close()\n", encoding="utf-8")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert 'if __name__ == "__main__":' in proc.stderr and "picklable" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("async_scheduling", ["--async-scheduling", "--no-async-scheduling"])
+def test_a_stopped_device_ends_the_run_with_device_hung_error_and_leaves_no_process(tmp_path, async_scheduling):
+    rows = [*requests(2, max_tokens=4), *({**r, **LONG} for r in requests(5)[2:])]
+    proc, out = start_cli(tmp_path, rows, "--device", "cpu", "--device-timeout-s", "3", async_scheduling)
+    wait_for_lines(out.with_name(out.name + ".partial"), 2, proc)
+    device = device_pid(proc.pid)
+    os.kill(device, signal.SIGSTOP)
+    stopped = time.monotonic()
+    stdout, stderr = proc.communicate(timeout=30)
+    assert time.monotonic() - stopped < 3 + 5, "DeviceHungError must come within --device-timeout-s + 5 s"
+    assert proc.returncode == 1, stderr
+    results = {r["request_id"]: r for r in read_jsonl(out)}
+    assert [results[f"r{i}"]["finish_reason"] for i in range(2)] == ["length", "length"]
+    assert all("DeviceHungError" in (results[f"r{i}"]["error"] or "") for i in range(2, 5)), results
+    assert process_gone(device), "the hung device process was left behind"
+
+
+def test_ctrl_c_during_a_device_hang_exits_within_2_seconds(tmp_path):
+    rows = [*requests(1, max_tokens=4), *({**r, **LONG} for r in requests(3)[1:])]
+    proc, out = start_cli(tmp_path, rows, "--device", "cpu", "--device-timeout-s", "0")  # no watchdog
+    wait_for_lines(out.with_name(out.name + ".partial"), 1, proc)
+    device = device_pid(proc.pid)
+    os.kill(device, signal.SIGSTOP)
+    time.sleep(1.0)  # the engine now waits on a device that will never answer
+    interrupted = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert time.monotonic() - interrupted < 2.0, stderr
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    assert [r["finish_reason"] for r in read_jsonl(out)] == ["length", "abort", "abort"]
+    assert process_gone(device)
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    """A 16 KiB tmpfs (root only): a disk that fills up mid-run."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_names_the_file_and_exits_1(tiny_filesystem):
+    out = tiny_filesystem / "demo.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "neuron_async_sm", "demo", "--num-requests", "32", "--output", str(out),
+         "--device", "cpu-inprocess", "--no-progress"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert f"cannot write {tiny_filesystem}" in proc.stderr and "No space left" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    partial = out.with_name(out.name + ".partial")
+    assert not out.exists() or out.read_text().endswith("\n"), "never a half-written final file"
+    assert partial.exists(), "what finished before the disk filled up is kept"

@@ -111,7 +111,9 @@ class HostRuntime(DeviceRuntime):
         except (EOFError, OSError):
             reason = self._channel.describe_exit()
             self._channel.stop(0.0)
-            raise DeviceStartupError(f"device exited before it was ready: {reason}") from None
+            raise DeviceStartupError(
+                f"device exited before it was ready: {reason} (its own error, if any, is printed above)"
+            ) from None
         if isinstance(message, Ready):
             return frozenset(message.programs)
         self._channel.stop(self._config.close_grace_s)

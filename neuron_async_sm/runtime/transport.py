@@ -119,6 +119,13 @@ class ProcessChannel(HostChannel):
     def __init__(
         self, factory: ProgramFactory, device_time_ms: float, num_threads: int, device_cpu: int | None = None
     ) -> None:
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            # A spawned child still importing the user's script (the flag multiprocessing itself checks
+            # before refusing to start a process): the script's module-level code started an engine.
+            raise DeviceStartupError(
+                "the device is a spawned process, which re-runs your script's module-level code: put the code "
+                "that creates the LLM under `if __name__ == \"__main__\":` (see the README's Python example)"
+            )
         ctx = multiprocessing.get_context("spawn")
         # Hazard: two threads reaping the same child (close() in stop, the receiver in describe_exit)
         # make one waitpid fail with ECHILD; Process then reports a dead child as alive and
