@@ -92,6 +92,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_free_slots(self) -> int:
+        """KV slots no request holds; back to max_num_seqs at idle unless a slot leaked."""
+        return len(self._free_slots)
+
     # -- scheduling ---------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

@@ -1,0 +1,72 @@
+"""`neuron-async-sm serve`: the OpenAI-compatible server on FastAPI + uvicorn (`pip install '.[serve]'`).
+
+The engine (and its spawned device process) is built here, on the CLI's `__main__`-guarded path,
+before uvicorn starts. SIGTERM / SIGINT: uvicorn stops accepting connections, in-flight requests get
+`--shutdown-timeout-s` to finish, then every open one is aborted (its client gets an error); the
+engine shuts down and the process exits 0 (SIGTERM) or 130 (SIGINT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+SERVE_HELP = """Serve the model over HTTP with the OpenAI API.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (the model's chat template from
+tokenizer_config.json), GET /v1/models, GET /health (503 once the engine is dead), GET /metrics
+(Prometheus). Text needs a tokenizer.json in the model directory; without one (tiny-llama) prompts
+are token ids and every choice carries `token_ids`."""
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from neuron_async_sm.cli import EXIT_CODES_HELP, _add_engine_args, _HelpFormatter
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the 'serve' extra)",
+                       description=SERVE_HELP, formatter_class=_HelpFormatter, epilog=EXIT_CODES_HELP)  # fmt: skip
+    _add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--served-model-name", default=None, help="the `model` clients pass (default: --model)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests beyond this many waiting for a slot get 503 at once")  # fmt: skip
+    p.add_argument("--shutdown-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight requests may still run before they are aborted")  # fmt: skip
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level")  # fmt: skip
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from neuron_async_sm.cli import EXIT_OK, EXIT_USAGE, _engine_config
+
+    try:
+        from neuron_async_sm.serve.app import Server, ServeSettings, build_app
+        from neuron_async_sm.serve.metrics import ServerMetrics
+        from neuron_async_sm.serve.server import serve
+    except ImportError as exc:
+        print(f"error: serve needs the 'serve' extra (pip install 'neuron_async_sm[serve]'): {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    from neuron_async_sm.engine.async_llm import AsyncLLM
+    from neuron_async_sm.engine.llm import LLM
+    from neuron_async_sm.serve.tokenizer import ServedTokenizer
+
+    if args.max_waiting < 0 or not args.shutdown_timeout_s >= 0 or not 0 <= args.port < 65536:
+        print("error: --max-waiting and --shutdown-timeout-s must be >= 0, --port in [0, 65536)", file=sys.stderr)
+        return EXIT_USAGE
+    tokenizer = ServedTokenizer.load(args.model)
+    llm = LLM(args.model, **_engine_config(args))
+    name = args.served_model_name or args.model
+    metrics = ServerMetrics(llm, name)
+    llm.engine.tracer.subscribe(metrics.on_engine_event)  # step path states, materializations by thread
+    engine = AsyncLLM(llm, max_waiting=args.max_waiting, observers=(metrics.observe_turn,))
+    try:
+        settings = ServeSettings(name, llm.config.max_model_len, args.shutdown_timeout_s)
+        server = Server(engine, tokenizer, metrics, settings)
+        started = serve(build_app(server), server, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.close()  # a no-op after the lifespan's shutdown; otherwise stops the engine thread or the LLM
+    if not started:
+        print(f"error: the server could not start on {args.host}:{args.port}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_OK

@@ -1,0 +1,142 @@
+"""Text for the server: the model directory's `tokenizer.json`, its chat template, and streaming decode.
+
+The chat template is the Jinja2 template of `tokenizer_config.json` (`chat_template`, a string or a
+list of named templates), rendered in a sandbox as Hugging Face renders it. A model without a
+tokenizer (tiny-llama) serves token-id prompts only; its choices carry `token_ids` and empty text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from neuron_async_sm.model import tokenizer_path
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or rendering it failed; the message says which."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    source: str
+    bos_token: str
+    eos_token: str
+
+    def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise ChatTemplateError(f"messages: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.source).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token, eos_token=self.eos_token,
+            )  # fmt: skip
+        except TemplateError as exc:
+            raise ChatTemplateError(f"messages: the model's chat template failed: {exc}") from exc
+
+
+class ServedTokenizer:
+    """Encode prompts, render chats, decode outputs. `None` in place of one means: token ids only."""
+
+    def __init__(self, model: str) -> None:
+        from tokenizers import Tokenizer
+
+        path = tokenizer_path(model)
+        if path is None:
+            raise FileNotFoundError(f"{model}: no tokenizer.json")
+        self.tokenizer = Tokenizer.from_file(path)
+        self.chat_template = _chat_template(Path(path).parent / "tokenizer_config.json")
+
+    @classmethod
+    def load(cls, model: str) -> ServedTokenizer | None:
+        return cls(model) if tokenizer_path(model) is not None else None
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def encode_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
+        if self.chat_template is None:
+            raise ChatTemplateError(
+                "messages: this model has no chat template (no chat_template in tokenizer_config.json); "
+                "use /v1/completions"
+            )
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)  # the template writes the special tokens itself
+
+
+def _chat_template(config_path: Path) -> ChatTemplate | None:
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    source = config.get("chat_template")
+    if isinstance(source, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default") or next(iter(named.values()), None)
+    if not isinstance(source, str):
+        return None
+    return ChatTemplate(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+
+
+def _token_text(token: object) -> str:
+    if isinstance(token, dict):  # older configs: {"content": "<s>", ...}
+        token = token.get("content")
+    return token if isinstance(token, str) else ""
+
+
+class IncrementalText:
+    """Decode a request's tokens as they stream, and find its stop strings.
+
+    Text is re-decoded from all tokens each time (a token may complete a multi-byte character or
+    change how the previous one decodes); what was already sent is never sent again. While stop
+    strings are set, the last `len(longest stop) - 1` characters are held back, so a stop string
+    split over two steps is never partly sent; an unfinished character (U+FFFD) is held back too.
+    """
+
+    def __init__(self, tokenizer: ServedTokenizer | None, stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self.text = ""  # decoded so far (cut at a stop string once one matched)
+        self.sent = 0  # characters of `text` already handed out
+        self.stopped = False  # a stop string matched: the request must end now
+
+    def push(self, new_token_ids: list[int], *, final: bool = False) -> str:
+        """Add a step's tokens; return the text that may be sent now (all of it when `final`)."""
+        if self.stopped:
+            return ""
+        self.token_ids.extend(new_token_ids)
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(self.token_ids)
+        cut = self._first_stop(text)
+        if cut is not None:
+            self.stopped, final = True, True
+            text = text[:cut]
+        self.text = text
+        end = len(text)
+        if not final:
+            end -= self._holdback
+            while end > self.sent and text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= self.sent:
+            return ""
+        piece, self.sent = text[self.sent : end], end
+        return piece
+
+    def _first_stop(self, text: str) -> int | None:
+        # Only where a match can be new: one that ended inside the sent text would have stopped us.
+        start = max(0, self.sent - self._holdback)
+        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None

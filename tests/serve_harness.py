@@ -1,0 +1,135 @@
+"""A real `neuron-async-sm serve` process for the server tests: a small text model, a free port,
+bounded waits, the official `openai` client, and the /metrics scrape parsed. Test-side only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[1]
+SPECIAL = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2: the checkpoint's bos 1 and eos 2
+ROLES = ["system", "user", "assistant"]
+WORDS = [f"w{i}" for i in range(len(SPECIAL), 64 - len(ROLES))]
+CHAT_TEMPLATE = (
+    "{{ bos_token }} {% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant{% endif %}"
+)
+
+
+def write_text_model(path: Path, *, chat_template: bool = True) -> Path:
+    """A random 64-token Llama checkpoint with a whitespace WordLevel tokenizer (and a chat template)."""
+    from test_model_loader import write_checkpoint
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    write_checkpoint(path)
+    vocab = {token: i for i, token in enumerate([*SPECIAL, *WORDS, *ROLES])}
+    assert len(vocab) == 64
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>"}
+    if chat_template:
+        config["chat_template"] = CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m neuron_async_sm serve` on 127.0.0.1; its log goes to a file (a full pipe would block it)."""
+
+    def __init__(self, tmp_path: Path, model: str, *flags: str, start_timeout_s: float = 90.0) -> None:
+        self.model = model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp_path / f"server-{self.port}.log"
+        argv = [sys.executable, "-m", "neuron_async_sm", "serve", "--model", model, "--port", str(self.port),
+                "--log-level", "warning", *flags]  # fmt: skip
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + start_timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the server exited at start:\n{self.log()}"
+            if self.get("/health", timeout_s=2)[0] == 200:
+                return
+            time.sleep(0.1)
+        self.kill()
+        raise AssertionError(f"the server did not answer /health within {start_timeout_s} s:\n{self.log()}")
+
+    def get(self, path: str, timeout_s: float = 10.0) -> tuple[int, bytes]:
+        return self.request("GET", path, None, timeout_s=timeout_s)
+
+    def request(self, method: str, path: str, body: bytes | None, timeout_s: float = 30.0) -> tuple[int, bytes]:
+        """(status, body) of a raw HTTP request; status 0 when nothing answered."""
+        req = urllib.request.Request(self.url + path, data=body, method=method,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+        except OSError:
+            return 0, b""
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, timeout_s: float = 60.0) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=timeout_s)
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """(sample name, sorted labels without model_name) -> value."""
+        status, body = self.get("/metrics")
+        assert status == 200, status
+        text = body.decode()
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+                out[(sample.name, labels)] = sample.value
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def wait_for(self, predicate, what: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; metrics: {self.metrics()}")
+
+    def terminate(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM, then the exit code (bounded: killed past timeout_s)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the server did not exit within {timeout_s} s of SIGTERM:\n{self.log()}") from None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)

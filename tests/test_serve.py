@@ -1,0 +1,248 @@
+"""`neuron-async-sm serve` through the official `openai` client, against a real uvicorn server process.
+
+One server (async scheduling, float64 so tokens do not depend on the batch) answers completions and
+chat, streamed and not, with exactly the tokens the offline `LLM` samples for the same seed; 32
+concurrent streaming clients, some of which disconnect mid-stream, leave every request accounted for
+and no KV slot held; bad requests get OpenAI-style 400s naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from serve_harness import CHAT_TEMPLATE, ServerProcess, write_text_model
+from tokenizers import Tokenizer
+
+from neuron_async_sm import LLM, SamplingParams
+
+ENGINE = dict(dtype="float64", max_num_seqs=4, max_model_len=96, max_num_batched_tokens=32,
+              prefill_buckets=(8, 16, 32), decode_buckets=(1, 2, 4))  # fmt: skip
+FLAGS = ["--dtype", "float64", "--max-num-seqs", "4", "--max-model-len", "96", "--max-num-batched-tokens", "32",
+         "--prefill-buckets", "8,16,32", "--decode-buckets", "1,2,4", "--device", "cpu",
+         "--device-time-ms", "2"]  # fmt: skip
+SAMPLED = dict(temperature=0.8, top_p=0.95, seed=7)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(write_text_model(tmp_path_factory.mktemp("model")))
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    proc = ServerProcess(tmp_path_factory.mktemp("server"), model, *FLAGS)
+    yield proc
+    assert proc.terminate() == 0, proc.log()
+
+
+@pytest.fixture(scope="module")
+def offline(model):
+    """The reference: the offline LLM on the same checkpoint (in-process device; float64 is batch-invariant)."""
+    with LLM(model, device="cpu-inprocess", **ENGINE) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model) -> Tokenizer:
+    return Tokenizer.from_file(f"{model}/tokenizer.json")
+
+
+def reference(offline: LLM, prompt: list[int], **params) -> list[int]:
+    [out] = offline.generate([prompt], SamplingParams(**params))
+    return out.output_token_ids
+
+
+def words(*ids: int) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+def test_completion_equals_the_offline_llm_streamed_and_not(server, offline, tokenizer):
+    client = server.client()
+    prompt = words(5, 9, 17, 30)
+    prompt_ids = tokenizer.encode(prompt).ids
+    for params in (dict(temperature=0.0), SAMPLED):
+        expected = reference(offline, prompt_ids, max_tokens=12, ignore_eos=True, **params)
+        extra = {"ignore_eos": True, "return_token_ids": True}
+        out = client.completions.create(model=server.model, prompt=prompt, max_tokens=12, extra_body=extra, **params)
+        [choice] = out.choices
+        assert choice.token_ids == expected, params
+        assert choice.text == tokenizer.decode(expected) and choice.finish_reason == "length"
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt_ids), 12)
+
+        chunks = list(client.completions.create(model=server.model, prompt=prompt_ids, max_tokens=12, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True, "return_token_ids": True},
+                                                **params))  # fmt: skip
+        streamed = [t for c in chunks for choice in c.choices for t in choice.token_ids]
+        assert streamed == expected
+        assert "".join(choice.text for c in chunks for choice in c.choices) == tokenizer.decode(expected)
+        assert [choice.finish_reason for c in chunks for choice in c.choices][-1] == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_renders_the_template_and_equals_the_offline_llm(server, offline, tokenizer):
+    from jinja2 import Template
+
+    client = server.client()
+    messages = [{"role": "system", "content": "w3 w4"}, {"role": "user", "content": "w10 w11 w12"}]
+    rendered = Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True, bos_token="<s>")
+    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False).ids
+    assert prompt_ids[0] == 1 and prompt_ids[-1] == tokenizer.token_to_id("assistant")
+    expected = reference(offline, prompt_ids, max_tokens=10, ignore_eos=True, **SAMPLED)
+
+    out = client.chat.completions.create(model=server.model, messages=messages, max_tokens=10,
+                                         extra_body={"ignore_eos": True}, **SAMPLED)  # fmt: skip
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == tokenizer.decode(expected)
+    assert out.usage.prompt_tokens == len(prompt_ids) and out.usage.completion_tokens == 10
+
+    chunks = list(client.chat.completions.create(model=server.model, messages=messages, max_completion_tokens=10,
+                                                 stream=True, extra_body={"ignore_eos": True}, **SAMPLED))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == tokenizer.decode(expected)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings_and_stop_token_ids_end_the_request(server, offline, tokenizer):
+    client = server.client()
+    prompt_ids = tokenizer.encode(words(7, 8, 9)).ids
+    full = reference(offline, prompt_ids, max_tokens=12, ignore_eos=True, temperature=0.0)
+    stop_word = tokenizer.decode([full[4]])
+    cut = full.index(full[4])  # the stop string ends the text before its first occurrence
+    for stream in (False, True):
+        kwargs = dict(model=server.model, prompt=prompt_ids, max_tokens=12, temperature=0.0, stream=stream,
+                      extra_body={"ignore_eos": True})  # fmt: skip
+        out = client.completions.create(stop=[stop_word], **kwargs)
+        chunks = list(out) if stream else [out]
+        text = "".join(choice.text for c in chunks for choice in c.choices)
+        assert text == tokenizer.decode(full[:cut]) + (" " if cut else "")
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    out = client.completions.create(model=server.model, prompt=prompt_ids, max_tokens=12, temperature=0.0,
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [full[4]],
+                                                "return_token_ids": True})  # fmt: skip
+    assert out.choices[0].token_ids == full[: cut + 1] and out.choices[0].finish_reason == "stop"
+
+
+def test_models_health_and_metrics_routes(server):
+    [card] = server.client().models.list().data
+    assert card.id == server.model and card.max_model_len == 96
+    assert server.get("/health")[0] == 200
+    assert server.metric("neuron_async_sm_kv_slots_free") == 4
+
+
+def _error(exc: openai.APIStatusError) -> dict:
+    error = exc.body if "message" in (exc.body or {}) else (exc.body or {}).get("error", {})
+    assert set(error) == {"message", "type", "param", "code"}, exc.body
+    return error
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(prompt="w5", extra_body={"bogus": 1}), "bogus"),  # unknown field
+        (dict(prompt="w5", max_tokens="ten"), "max_tokens"),  # bad type
+        (dict(prompt=[5, True]), "prompt"),  # bad type inside the prompt
+        (dict(prompt="w5", n=2), "n"),  # n > 1 is not supported
+        (dict(prompt="w5", temperature=-1.0), "temperature"),  # the engine's own check, field named
+        (dict(prompt=" ".join(["w5"] * 96)), "prompt"),  # no room for output under max_model_len
+        (dict(prompt="w5", max_tokens=200), "max_tokens"),  # prompt + max_tokens over max_model_len
+        (dict(prompt=[5, 64]), "prompt"),  # a token id outside the vocabulary (the scheduler's check)
+        (dict(prompt="w5", logprobs=2), "logprobs"),
+    ],
+)
+def test_bad_requests_get_a_400_naming_the_field(server, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().completions.create(model=server.model, **kwargs)
+    error = _error(info.value)
+    assert info.value.status_code == 400 and error["type"] == "invalid_request_error"
+    assert error["param"] == param, error
+
+
+def test_malformed_json_wrong_model_and_no_chat_template(server, tmp_path):
+    status, body = server.request("POST", "/v1/completions", b'{"model": "x", "prompt": [1, 2')
+    assert status == 400 and json.loads(body)["error"]["message"].startswith("malformed JSON"), body
+    with pytest.raises(openai.NotFoundError) as info:
+        server.client().completions.create(model="other", prompt="w5")
+    assert _error(info.value)["code"] == "model_not_found"
+
+
+def test_a_model_without_a_chat_template_gets_a_clear_400(tmp_path):
+    model = write_text_model(tmp_path / "plain", chat_template=False)
+    proc = ServerProcess(tmp_path, str(model), "--device", "cpu-inprocess", "--max-model-len", "64")
+    try:
+        with pytest.raises(openai.BadRequestError) as info:
+            proc.client().chat.completions.create(model=str(model), messages=[{"role": "user", "content": "w5"}])
+        error = _error(info.value)
+        assert error["param"] == "messages" and "no chat template" in error["message"]
+        assert proc.client().completions.create(model=str(model), prompt="w5", max_tokens=2).choices[0].text
+    finally:
+        assert proc.terminate() == 0, proc.log()
+
+
+CONCURRENT = 32
+
+
+def test_32_concurrent_streams_with_random_disconnects_leave_nothing_behind(server, offline, tokenizer):
+    rng = random.Random(0)
+    before = server.metrics()
+    plans = [
+        dict(prompt=[rng.randrange(3, 61) for _ in range(rng.randint(2, 20))], max_tokens=rng.randint(4, 24),
+             seed=i, temperature=rng.choice([0.0, 0.8]), leave_after=rng.choice([None, None, 0, 1, 3, 8]))
+        for i in range(CONCURRENT)
+    ]  # fmt: skip
+
+    def run(plan: dict) -> tuple[list[int], str | None]:
+        client = server.client()
+        stream = client.completions.create(model=server.model, prompt=plan["prompt"], max_tokens=plan["max_tokens"],
+                                           seed=plan["seed"], temperature=plan["temperature"], stream=True,
+                                           extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+        tokens: list[int] = []
+        reason = None
+        for chunk in stream:
+            if plan["leave_after"] is not None and len(tokens) >= plan["leave_after"]:
+                stream.close()  # the client disconnects mid-stream
+                return tokens, "left"
+            for choice in chunk.choices:
+                tokens.extend(choice.token_ids)
+                reason = choice.finish_reason or reason
+        return tokens, reason
+
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        results = list(pool.map(run, plans))
+
+    for plan, (tokens, reason) in zip(plans, results, strict=True):
+        expected = reference(offline, plan["prompt"], max_tokens=plan["max_tokens"], seed=plan["seed"],
+                             temperature=plan["temperature"], ignore_eos=True)  # fmt: skip
+        if reason == "left":
+            assert tokens == expected[: len(tokens)]
+        else:
+            assert (tokens, reason) == (expected, "length"), plan
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return server.metric(name, **labels) - before.get(key, 0.0)
+
+    def settled() -> bool:
+        ended = sum(delta("neuron_async_sm_request_success_total", finished_reason=r) for r in ("length", "abort"))
+        return (ended == CONCURRENT and server.metric("neuron_async_sm_num_requests_running") == 0
+                and server.metric("neuron_async_sm_num_requests_waiting") == 0)  # fmt: skip
+
+    server.wait_for(settled, "every request finished or aborted")
+    left = sum(reason == "left" for _, reason in results)
+    assert left >= 8 and delta("neuron_async_sm_request_success_total", finished_reason="abort") >= 1
+    assert delta("neuron_async_sm_request_success_total", finished_reason="error") == 0
+    assert server.metric("neuron_async_sm_kv_slots_free") == ENGINE["max_num_seqs"], "a KV slot leaked"
+    assert delta("neuron_async_sm_prompt_tokens_total") == sum(len(p["prompt"]) for p in plans)
+    assert delta("neuron_async_sm_time_to_first_token_seconds_count") >= CONCURRENT - left
+    assert server.metric("neuron_async_sm_steps_total", state="Steady") > 0
+    assert server.metric("neuron_async_sm_materializations_total", thread="async-output") > 0
+    # the server still answers
+    started = time.monotonic()
+    out = server.client().completions.create(model=server.model, prompt="w5 w6", max_tokens=3, temperature=0.0)
+    assert out.choices[0].finish_reason in ("stop", "length") and time.monotonic() - started < 30
+    print("\n" + server.get("/metrics")[1].decode())  # the scrape after the concurrency test (pytest -s)
