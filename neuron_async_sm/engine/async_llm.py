@@ -115,8 +115,10 @@ class AsyncLLM:
         *,
         max_waiting: int | None = None,
         observers: tuple[Callable[[EngineTurn], None], ...] = (),
+        owns_llm: bool = True,
     ) -> None:
         self.llm = llm
+        self.owns_llm = owns_llm  # the engine thread closes the LLM when it ends (False: the caller does)
         self.max_waiting = max_waiting
         self._observers = observers
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -125,7 +127,6 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._started = False  # the engine thread was started (it closes the LLM when it ends)
-        self._num_running = 0  # loop thread only: from the latest turn
         self.dead_reason: str | None = None  # loop thread only
         self.stopped = False  # loop thread only
         self.last_stats: EngineStats | None = None  # loop thread only
@@ -145,8 +146,12 @@ class AsyncLLM:
 
     @property
     def num_waiting(self) -> int:
-        """Open requests not running: queued for a slot or still in the command queue (conservative)."""
-        return max(0, len(self._streams) - self._num_running)
+        """Open requests beyond the KV slots: those that must wait once the scheduler has filled every slot.
+
+        Not `open - running`: `running` is as of the last turn, so a burst arriving before the engine
+        thread's next schedule would count as waiting and be refused while slots are free.
+        """
+        return max(0, len(self._streams) - self.llm.config.max_num_seqs)
 
     async def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -207,7 +212,7 @@ class AsyncLLM:
             self._commands.put(StopCommand())
             self._thread.join(timeout=30)
             self._thread = None
-        elif not self._started:
+        elif not self._started and self.owns_llm:
             self.llm.close()
         self._started = self.stopped = True
 
@@ -219,7 +224,6 @@ class AsyncLLM:
 
     def _on_turn(self, turn: EngineTurn) -> None:
         """On the loop: route one turn's acks and deltas to their streams."""
-        self._num_running = turn.stats.num_running
         self.last_stats = turn.stats
         for request_id in turn.accepted:
             stream = self._streams.get(request_id)
@@ -294,10 +298,11 @@ class AsyncLLM:
             if accepted or rejected or deltas or dead_reason is not None or stopping:
                 self._post(EngineTurn(accepted, rejected, arrivals, deltas, time.monotonic(), self._stats(),
                                       dead_reason))  # fmt: skip
-        try:
-            llm.close()
-        except Exception:
-            logger.exception("engine shutdown failed")
+        if self.owns_llm:
+            try:
+                llm.close()
+            except Exception:
+                logger.exception("engine shutdown failed")
 
     def _take_commands(self, *, block: bool) -> list[Command]:
         commands: list[Command] = []

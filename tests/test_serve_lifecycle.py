@@ -1,0 +1,116 @@
+"""The server under pressure and at its end, each on its own `serve` process (tiny-llama, token ids):
+overload is refused at once with 503, SIGTERM drains open streams and exits 0, and a dead device
+ends every open stream with an error and turns /health to 503. Nothing here waits unbounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import openai
+import pytest
+from processes import device_pid
+from serve_harness import ServerProcess
+
+LONG = dict(max_tokens=300, temperature=0.0, extra_body={"ignore_eos": True})
+
+
+def flags(*extra: str) -> list[str]:
+    # 20 ms per program: a 300-token request runs for seconds, so streams are really open when we act.
+    return ["--device-time-ms", "20", "--max-model-len", "512", *extra]
+
+
+class OpenStream(threading.Thread):
+    """A streaming client on its own thread: tokens so far, how it ended (finish reason or the error)."""
+
+    def __init__(self, server: ServerProcess, prompt: list[int], **kwargs) -> None:
+        super().__init__(daemon=True)
+        self.server, self.prompt, self.kwargs = server, prompt, kwargs
+        self.tokens: list[int] = []
+        self.ended: str | None = None
+        self.error: Exception | None = None
+        self.first = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            stream = self.server.client().completions.create(model="tiny-llama", prompt=self.prompt, stream=True,
+                                                             **self.kwargs)  # fmt: skip
+            self.stream = stream
+            for chunk in stream:
+                for choice in chunk.choices:
+                    self.tokens.extend(choice.token_ids)
+                    self.ended = choice.finish_reason or self.ended
+                self.first.set()
+        except Exception as exc:  # what the client saw
+            self.error = exc
+        finally:
+            self.first.set()
+
+    def finish(self, timeout_s: float = 30.0) -> None:
+        self.join(timeout_s)
+        assert not self.is_alive(), "a stream never ended"
+
+
+def test_more_waiting_than_max_waiting_get_503_at_once(tmp_path):
+    server = ServerProcess(tmp_path, "tiny-llama", *flags("--device", "cpu-inprocess", "--max-num-seqs", "2",
+                                                          "--decode-buckets", "1,2", "--max-waiting", "2"))  # fmt: skip
+    try:
+        streams = [OpenStream(server, [5 + i, 6, 7], **LONG) for i in range(4)]
+        server.wait_for(lambda: server.metric("neuron_async_sm_num_requests_running") == 2
+                        and server.metric("neuron_async_sm_num_requests_waiting") == 2,
+                        "2 running, 2 waiting")  # fmt: skip
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as info:
+            server.client().completions.create(model="tiny-llama", prompt=[9, 9], max_tokens=2)
+        assert time.monotonic() - started < 5, "an overloaded server must refuse at once, not queue"
+        assert info.value.status_code == 503 and info.value.body["code"] == "overloaded", info.value.body
+        assert server.metric("neuron_async_sm_requests_rejected_total", reason="overloaded") == 1
+        for stream in streams:
+            stream.stream.close()  # every client leaves: their requests are aborted, slots come back
+        server.wait_for(lambda: server.metric("neuron_async_sm_kv_slots_free") == 2
+                        and server.metric("neuron_async_sm_num_requests_waiting") == 0, "slots back")  # fmt: skip
+        assert server.client().completions.create(model="tiny-llama", prompt=[9, 9], max_tokens=2).choices
+    finally:
+        assert server.terminate() == 0, server.log()
+
+
+def test_sigterm_lets_short_streams_finish_aborts_the_rest_and_exits_0(tmp_path):
+    server = ServerProcess(tmp_path, "tiny-llama", *flags("--device", "cpu-inprocess", "--shutdown-timeout-s", "2"))
+    short = OpenStream(server, [5, 6, 7], max_tokens=20, temperature=0.0, extra_body={"ignore_eos": True})
+    long = OpenStream(server, [8, 9], **LONG)
+    assert short.first.wait(30) and long.first.wait(30)
+    sent = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert server.get("/health", timeout_s=2)[0] == 0, "a draining server must not take new connections"
+    short.finish()
+    long.finish()
+    code = server.terminate(timeout_s=20)
+    assert code == 0, server.log()
+    assert (len(short.tokens), short.ended, short.error) == (20, "length", None)
+    assert isinstance(long.error, openai.APIError) and "shutting down" in str(long.error), long.error
+    assert 0 < len(long.tokens) < 300
+    assert time.monotonic() - sent < 2 + 10, "the drain must end at --shutdown-timeout-s"
+
+
+def test_a_dead_device_ends_every_open_stream_with_an_error_and_health_turns_503(tmp_path):
+    server = ServerProcess(tmp_path, "tiny-llama", *flags("--device", "cpu", "--device-timeout-s", "5"))
+    try:
+        streams = [OpenStream(server, [5 + i, 6], **LONG) for i in range(3)]
+        assert all(s.first.wait(30) for s in streams)
+        os.kill(device_pid(server.proc.pid), signal.SIGKILL)
+        for stream in streams:
+            stream.finish(timeout_s=30)
+            assert isinstance(stream.error, openai.APIError) and "engine failed" in str(stream.error), stream.error
+        status, body = server.get("/health")
+        assert status == 503 and b"engine_dead" in body, body
+        with pytest.raises(openai.APIStatusError) as info:
+            server.client().completions.create(model="tiny-llama", prompt=[5], max_tokens=2)
+        assert info.value.status_code == 503 and info.value.body["code"] == "engine_dead"
+        assert server.metric("neuron_async_sm_request_success_total", finished_reason="error") == 3
+    finally:
+        assert server.terminate() == 0, server.log()
