@@ -11,7 +11,7 @@ import random
 import sys
 import time
 from collections import deque
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 
 import torch
 
@@ -223,9 +223,15 @@ class EngineCore:
             self.batch_queue.clear()
         # Hazard: a half-materialized output. fail_all() and drop_pending() must not run while the
         # output thread still writes a step's tokens back: wait until every in-flight step resolved.
-        late = wait(in_flight, timeout=TEARDOWN_WAIT_S).not_done
+        deadline = time.monotonic() + TEARDOWN_WAIT_S
+        late = 0
+        for future in in_flight:  # any Future-like (the bench probe wraps them): exception(timeout) only
+            try:
+                future.exception(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                late += 1
         if late:
-            logger.warning("%d in-flight step outputs did not resolve within %.0f s", len(late), TEARDOWN_WAIT_S)
+            logger.warning("%d in-flight step outputs did not resolve within %.0f s", late, TEARDOWN_WAIT_S)
         self.executor.shutdown(timeout_s=TEARDOWN_WAIT_S)
 
     def _check_alive(self) -> None:
