@@ -3,6 +3,7 @@
 from neuron_async_sm.config import ConfigError, EngineConfig
 from neuron_async_sm.engine.core import EngineDeadError
 from neuron_async_sm.engine.llm import LLM, PromptRequest
+from neuron_async_sm.errors import NeuronAsyncSMError
 from neuron_async_sm.outputs import RequestOutput
 from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
 
@@ -12,6 +13,7 @@ __all__ = [
     "EngineConfig",
     "EngineDeadError",
     "InvalidRequestError",
+    "NeuronAsyncSMError",
     "PromptRequest",
     "RequestOutput",
     "SamplingParams",

@@ -10,6 +10,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from neuron_async_sm.errors import NeuronAsyncSMError
+
 DEVICES = ("cpu", "cpu-inprocess")
 """`cpu`: the emulated Neuron device as a separate process (true host/device overlap).
 `cpu-inprocess`: the same runtime with the device loop on a thread (fast unit tests; overlaps poorly)."""
@@ -17,7 +19,7 @@ DEVICES = ("cpu", "cpu-inprocess")
 DTYPES = ("float32", "float64", "bfloat16")
 
 
-class ConfigError(ValueError):
+class ConfigError(NeuronAsyncSMError, ValueError):
     """An invalid engine configuration; the message names the field."""
 
 

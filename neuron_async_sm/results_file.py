@@ -17,10 +17,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
+from neuron_async_sm.errors import NeuronAsyncSMError
 from neuron_async_sm.outputs import RequestOutput
 
 
-class ResultsWriteError(OSError):
+class ResultsWriteError(NeuronAsyncSMError, OSError):
     """Writing the output failed; the message names the file."""
 
 

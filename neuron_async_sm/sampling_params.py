@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from neuron_async_sm.errors import NeuronAsyncSMError
 
-class InvalidRequestError(ValueError):
+
+class InvalidRequestError(NeuronAsyncSMError, ValueError):
     """A request the engine rejects on its own; the message names the field. Other requests go on."""
 
 

@@ -18,6 +18,7 @@ import torch
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.engine.executor import Executor
 from neuron_async_sm.engine.model_len import resolve_model_len
+from neuron_async_sm.errors import NeuronAsyncSMError
 from neuron_async_sm.model import (
     TINY_LLAMA,
     LlamaConfig,
@@ -44,7 +45,7 @@ TEARDOWN_WAIT_S = 2.0
 device is left: an in-flight output then resolves in milliseconds, so this is only a backstop."""
 
 
-class EngineDeadError(RuntimeError):
+class EngineDeadError(NeuronAsyncSMError, RuntimeError):
     """The engine failed earlier; build a new one."""
 
 

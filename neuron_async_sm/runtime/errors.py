@@ -11,8 +11,10 @@ The hierarchy lets a caller catch everything the device can do to it with one
 
 from __future__ import annotations
 
+from neuron_async_sm.errors import NeuronAsyncSMError
 
-class DeviceProgramError(RuntimeError):
+
+class DeviceProgramError(NeuronAsyncSMError, RuntimeError):
     """A program failed on the device.
 
     The message names the program, its sequence number and the root cause; a
