@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 from neuron_async_sm.errors import NeuronAsyncSMError
 
-DEVICES = ("cpu", "cpu-inprocess")
+DEVICES = ("cpu", "cpu-inprocess", "xla", "accelerator", "cuda")
 """`cpu`: the emulated Neuron device as a separate process (true host/device overlap).
-`cpu-inprocess`: the same runtime with the device loop on a thread (fast unit tests; overlaps poorly)."""
+`cpu-inprocess`: the same runtime with the device loop on a thread (fast unit tests; overlaps poorly).
+`xla`: PyTorch/XLA (PJRT; needs torch_xla, see docs/backends.md). `accelerator`: torch.accelerator's
+device and streams (synchronous on a machine without one); `cuda`: the same, requiring CUDA."""
 
 DTYPES = ("float32", "float64", "bfloat16")
 

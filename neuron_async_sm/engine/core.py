@@ -18,6 +18,7 @@ import torch
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.engine.executor import Executor
 from neuron_async_sm.engine.model_len import resolve_model_len
+from neuron_async_sm.engine.warmup import warmup_calls
 from neuron_async_sm.errors import NeuronAsyncSMError
 from neuron_async_sm.model import (
     TINY_LLAMA,
@@ -55,8 +56,8 @@ class StepProgramFactory:
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
 
-    def __call__(self) -> dict:
-        program = build_step_program(self.spec)
+    def __call__(self, device: torch.device) -> dict:
+        program = build_step_program(self.spec, device)
         return {STEP_PROGRAM: program, LOGITS_PROGRAM: LogitsProgram(program)}
 
 
@@ -93,6 +94,7 @@ class EngineCore:
         self.runtime = create_runtime(
             config.device,
             StepProgramFactory(spec),
+            warmup=warmup_calls(config, self.model_config.vocab_size),  # compiling devices only
             queue_depth=config.runtime_queue_depth,
             device_time_ms=config.device_time_ms,
             num_threads=config.device_threads,

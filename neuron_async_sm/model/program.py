@@ -58,7 +58,7 @@ class StepProgram:
         temperature: float32 `[B]` (0 = greedy); top_k: int32 `[B]` (0 = off); top_p: float32 `[B]`
         (1.0 = off); seeds, output_index: int64 `[B]`.
         """
-        with torch.inference_mode():
+        with self._no_autograd():
             batch = self._prepare(input_ids, positions, query_lens, slot_ids)
             logits = self.model.forward(batch, self.kv_cache)  # [B, vocab]
             dev = self.device
@@ -69,9 +69,14 @@ class StepProgram:
     def forward_logits(self, *, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: torch.Tensor,
                        slot_ids: torch.Tensor) -> torch.Tensor:
         """The same forward (including the KV writes) without sampling: logits `[B, vocab]`, for tests."""
-        with torch.inference_mode():
+        with self._no_autograd():
             batch = self._prepare(input_ids, positions, query_lens, slot_ids)
             return self.model.forward(batch, self.kv_cache)
+
+    def _no_autograd(self) -> torch.autograd.grad_mode.no_grad | torch.autograd.grad_mode.inference_mode:
+        # XLA refuses inference tensors in the in-place KV cache writes ("Cannot set version_counter");
+        # no_grad costs a little more bookkeeping on the host, so the host keeps inference_mode.
+        return torch.inference_mode() if self.device.type == "cpu" else torch.no_grad()
 
     def _prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: torch.Tensor,
                  slot_ids: torch.Tensor) -> ForwardBatch:

@@ -20,11 +20,15 @@ import torch
 _GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX2 = 0x94D049BB133111EB - (1 << 64)
+_LOW63 = (1 << 63) - 1
 
 
 def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64: arithmetic shift, then clear the sign-extended top bits."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
+    """Logical right shift of int64 (1 <= bits <= 63): the 63 low bits are shifted as a non-negative
+    number and the sign bit is put back where a logical shift leaves it. `>>` on a negative int64 is
+    not the same everywhere (XLA does not shift it arithmetically), so it is never used on one."""
+    low = (x & _LOW63) >> bits
+    return torch.where(x < 0, low | (1 << (63 - bits)), low)
 
 
 def splitmix64(x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ one to the host blocks. See ``api.py`` for the protocol the worker codes
 against and ``create_runtime`` for the emulated backends.
 """
 
-from .api import DeviceFuture, DeviceRuntime, Program, ProgramFactory, RuntimeStats, TensorSpec
+from .api import DeviceFuture, DeviceRuntime, Program, ProgramFactory, RuntimeStats, TensorSpec, WarmupCall
 from .config import DeviceKind, RuntimeConfig, keep_off_cpu
 from .create import create_runtime, create_runtime_from_config
 from .errors import DeviceHungError, DeviceLostError, DeviceProgramError, DeviceStartupError
@@ -24,6 +24,7 @@ __all__ = [
     "RuntimeConfig",
     "RuntimeStats",
     "TensorSpec",
+    "WarmupCall",
     "create_runtime",
     "create_runtime_from_config",
     "keep_off_cpu",

@@ -22,16 +22,25 @@ import torch
 Program = Callable[..., torch.Tensor]
 """A compiled program: called with keyword tensor inputs, returns one tensor.
 
+A host input arrives as a host (CPU) tensor, a copy the caller can no longer
+change; a future input arrives as the device tensor an earlier program
+produced. The program moves host inputs to its device itself, so it can check
+them on the host first: on a real device, reading a device value back (a
+check, ``bool()``, ``.item()``) blocks until the device caught up.
+
 The returned tensor becomes device memory owned by the output future; it must
 not alias state the program mutates later (e.g. return a slice of the KV cache
 by value, not by view), or a later read would see the mutation.
 """
 
-ProgramFactory = Callable[[], Mapping[str, Program]]
-"""Builds the device's programs (load weights, allocate the KV cache, ...).
+ProgramFactory = Callable[[torch.device], Mapping[str, Program]]
+"""Builds the device's programs (load weights, allocate the KV cache, ...) on the given device.
 
-Must be picklable (a module-level frozen dataclass with ``__call__``): the
-process backend ships it to the device process, where it is called once.
+Called once, where the device is: inside the emulated device process (with
+``cpu``), or in this process for a real device (``xla:0``, ``cuda:0``, ...),
+whose weights and state must then be allocated on that device. Must be
+picklable (a module-level frozen dataclass with ``__call__``): the process
+backend ships it to the device process.
 """
 
 
@@ -54,6 +63,20 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class WarmupCall:
+    """One call a compiling backend runs at start-up, so that serving never compiles.
+
+    The inputs are host tensors with the shapes and dtypes of a real call; the call runs for real
+    (it may write device state such as a scratch KV slot). Backends that do not compile skip it.
+    """
+
+    label: str  # what the call stands for, in the warm-up log ("decode bucket 4")
+    program: str
+    inputs: Mapping[str, torch.Tensor]
+    out: TensorSpec
+
+
+@dataclass(frozen=True)
 class RuntimeStats:
     """A snapshot of what the device did since construction or ``reset_stats``."""
 
@@ -68,13 +91,16 @@ class RuntimeStats:
     device_futures_live: int  # futures held in device memory after the last completed program (leak check)
     device_idle_s: float = 0.0  # time the device waited for work (nothing queued), summed over programs
     recent_device_idle_s: list[float] = field(default_factory=list)  # per program, aligned with recent_device_times_s
+    compilations: int = 0  # programs compiled since warm-up ended (or reset_stats); 0 where nothing compiles
 
 
 class DeviceFuture(ABC):
     """Handle to a tensor that lives (or will live) in device memory.
 
     Produced by ``DeviceRuntime.enqueue``; may be passed back as an input to a
-    later ``enqueue`` without crossing to the host.
+    later ``enqueue`` without crossing to the host. ``spec`` is what the device
+    really holds, so what ``to_host`` returns: its dtype may differ from the
+    ``out`` the caller asked for (see ``DeviceRuntime.enqueue``).
     """
 
     @property
@@ -131,6 +157,12 @@ class DeviceRuntime(ABC):
         Host tensors are copied at enqueue time; a ``DeviceFuture`` input is
         consumed on the device. Raises ``DeviceLostError`` once the runtime is
         dead or closed.
+
+        ``out`` is what the caller expects. The output's shape must equal it;
+        its dtype may be another one of the same kind (an integer width a
+        device prefers: XLA may give int64 where the emulator gives int32), and
+        the future's ``spec`` then says so. Callers compare ``future.dtype``,
+        never assume ``out.dtype``. Other mismatches fail the program.
         """
 
     @abstractmethod

@@ -36,7 +36,7 @@ class BenchPrograms:
 
     size: int = 256
 
-    def __call__(self) -> Mapping[str, Program]:
+    def __call__(self, device: torch.device | None = None) -> Mapping[str, Program]:
         weight = torch.randn(self.size, self.size) / self.size**0.5  # [size, size]
 
         def matmul(x: torch.Tensor, iters: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,9 @@ class DeviceKind(enum.Enum):
 
     PROCESS = "cpu"  # a spawned process: the host and the device overlap like a real accelerator
     THREAD = "cpu-inprocess"  # a thread in this process: same semantics, shares the GIL, fast to start
+    XLA = "xla"  # PyTorch/XLA through PJRT (CPU client here; PJRT_DEVICE=NEURON on Trainium): xla_runtime.py
+    ACCELERATOR = "accelerator"  # torch.accelerator's device and streams (CPU: synchronous): accelerator_runtime.py
+    CUDA = "cuda"  # the accelerator backend, refusing to start unless that device is CUDA
 
     @staticmethod
     def parse(device: str) -> DeviceKind:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .api import DeviceRuntime, ProgramFactory
+from collections.abc import Sequence
+
+from .api import DeviceRuntime, ProgramFactory, WarmupCall
 from .config import DeviceKind, RuntimeConfig
 from .host_runtime import HostRuntime
 from .transport import HostChannel, ProcessChannel, ThreadChannel
@@ -15,6 +17,7 @@ def create_runtime(
     queue_depth: int = 32,
     device_time_ms: float = 0.0,
     num_threads: int = 1,
+    warmup: Sequence[WarmupCall] = (),
     device_cpu: int | None = None,
     device_timeout_s: float = 120.0,
 ) -> DeviceRuntime:
@@ -27,6 +30,9 @@ def create_runtime(
     ``num_threads`` is ignored (it would change this process's torch threads).
     ``device_cpu`` (process backend): the CPU the device process is pinned to;
     the runtime's receiver thread keeps off it (see ``keep_off_cpu``).
+    ``device="xla"`` (``xla_runtime.py``), ``"accelerator"`` / ``"cuda"``
+    (``accelerator_runtime.py``): a real device driven from this process; the
+    ``warmup`` calls run once at start-up so that serving never compiles.
     ``device_timeout_s``: a device that completes nothing for this long while work is in flight
     is declared hung: killed (a device thread is abandoned), every waiter gets ``DeviceHungError``.
     0 disables the watchdog.
@@ -42,11 +48,22 @@ def create_runtime(
         device_cpu=device_cpu,
         device_timeout_s=device_timeout_s,
     )
-    return create_runtime_from_config(config, programs)
+    return create_runtime_from_config(config, programs, warmup)
 
 
-def create_runtime_from_config(config: RuntimeConfig, programs: ProgramFactory) -> HostRuntime:
+def create_runtime_from_config(
+    config: RuntimeConfig, programs: ProgramFactory, warmup: Sequence[WarmupCall] = ()
+) -> DeviceRuntime:
     """``create_runtime`` for callers that already hold a validated ``RuntimeConfig``."""
+    # Real devices are imported lazily: an environment without torch_xla never imports it.
+    if config.device is DeviceKind.XLA:
+        from .xla_runtime import create_xla_runtime
+
+        return create_xla_runtime(programs, config, warmup)
+    if config.device in (DeviceKind.ACCELERATOR, DeviceKind.CUDA):
+        from .accelerator_runtime import create_accelerator_runtime
+
+        return create_accelerator_runtime(programs, config, warmup)
     channel: HostChannel
     if config.device is DeviceKind.PROCESS:
         channel = ProcessChannel(programs, config.device_time_ms, config.num_threads, config.device_cpu)

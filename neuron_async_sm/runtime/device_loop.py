@@ -84,7 +84,7 @@ class DeviceLoop:
     def serve(self, channel: DeviceChannel, factory: ProgramFactory) -> None:
         """Build the programs, report readiness, then process messages until Shutdown or EOF."""
         try:
-            self._programs = dict(factory())
+            self._programs = dict(factory(torch.device("cpu")))
         except Exception:
             channel.send(StartupFailed(f"program factory {factory!r} failed:\n{traceback.format_exc()}"))
             return

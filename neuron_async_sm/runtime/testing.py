@@ -53,7 +53,7 @@ class ToyPrograms:
 
     fail_to_build: str = ""
 
-    def __call__(self) -> Mapping[str, Program]:
+    def __call__(self, device: torch.device | None = None) -> Mapping[str, Program]:
         if self.fail_to_build:
             raise FileNotFoundError(self.fail_to_build)
         stamps = [0]

@@ -1,0 +1,359 @@
+"""The host side of a real device driven from this process (XLA, torch.accelerator).
+
+A real device needs no device loop or message channel: a program is called on the enqueueing thread,
+which only *issues* its work (XLA: traces and dispatches a graph; a stream: queues kernels), and the
+device runs it later, in issue order. What such a backend adds is small and lives in ``DeviceOps``.
+``LocalRuntime`` keeps everything else the worker relies on: one order of programs, failures that
+follow the data, the bounded queue, call-once host copies (``HostFuture``) and the stats.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from tqdm import tqdm
+
+from .api import DeviceFuture, DeviceRuntime, Program, ProgramFactory, RuntimeStats, TensorSpec, WarmupCall
+from .config import RuntimeConfig
+from .device_loop import FailedValue, InjectedFailure
+from .errors import DeviceLostError, DeviceProgramError, DeviceStartupError
+from .host_future import HostFuture
+from .host_runtime import RuntimeState
+from .stats import StatsRecorder
+
+logger = logging.getLogger("neuron_async_sm")
+
+Ready = Callable[[str | None], None]
+"""Completion callback: None when the program's output exists, else the device's error text."""
+
+
+class DeviceOps(ABC):
+    """What one kind of real device contributes to ``LocalRuntime``."""
+
+    device: torch.device  # where programs' tensors live; the program factory is called with it
+
+    @abstractmethod
+    def launch(self, call: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, object]:
+        """Run ``call`` so that its work is queued on the device; return its output and a completion token.
+
+        Must return without waiting for the device (except where the device is the host).
+        """
+
+    @abstractmethod
+    def when_ready(self, token: object, ready: Ready) -> None:
+        """Call ``ready`` (from any thread, possibly this one) once the launch behind ``token`` finished."""
+
+    @abstractmethod
+    def to_host(self, out: torch.Tensor, token: object) -> torch.Tensor:
+        """Blocking copy of an output (finished or still running; ``token`` from its launch) to the host."""
+
+    def compilations(self) -> int:
+        """Programs compiled so far in this process (a counter; 0 where nothing compiles)."""
+        return 0
+
+    def close(self) -> None:
+        """Stop helper threads (idempotent). Work already on the device finishes on its own."""
+        return None
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """Device memory of one successful program."""
+
+    value: torch.Tensor  # the output, on the device
+    token: object  # its launch's completion token (what to_host waits on)
+
+
+@dataclass(frozen=True)
+class WarmupRecord:
+    """What one warm-up call cost."""
+
+    label: str
+    seconds: float  # launch + compile + run + host copy
+    compilations: int  # programs this call compiled (0: its shape was already cached)
+
+
+class _InputFailed(Exception):
+    def __init__(self, name: str, failure: FailedValue) -> None:
+        super().__init__(name)
+        self.name = name
+        self.failure = failure
+
+
+def _same_kind(produced: torch.dtype, expected: torch.dtype) -> bool:
+    """An integer width the device prefers is acceptable (the future then reports it); nothing else is."""
+    if produced == expected:
+        return True
+    ints = not produced.is_floating_point and not produced.is_complex and produced != torch.bool
+    return ints and not expected.is_floating_point and not expected.is_complex and expected != torch.bool
+
+
+class LocalRuntime(DeviceRuntime):
+    """``DeviceRuntime`` over a device this process drives directly (see ``DeviceOps``).
+
+    Locks, in this order: ``_launch_lock`` → ``_state_cv``. ``_launch_lock`` makes enqueue order the
+    device's order (a program is issued whole before the next one starts). ``_state_cv`` guards the
+    lifecycle, the slot count and the completion events; completion callbacks (device threads) take
+    only it, and never wait while holding it.
+    """
+
+    def __init__(
+        self, ops: DeviceOps, programs: ProgramFactory, config: RuntimeConfig, warmup: Sequence[WarmupCall] = ()
+    ) -> None:
+        if config.device_time_ms or config.device_cpu is not None:
+            raise ValueError("device_time_ms and device_cpu shape the emulated device only")
+        self._ops = ops
+        self._config = config
+        try:
+            self._programs: dict[str, Program] = dict(programs(ops.device))
+        except Exception:
+            ops.close()
+            raise DeviceStartupError(f"program factory {programs!r} failed:\n{traceback.format_exc()}") from None
+        self._launch_lock = threading.Lock()
+        self._next_seq = 0  # (launch lock) sequence number == output future id
+        self._injected: set[int] = set()  # (launch lock)
+        # Device memory: future id -> output tensor, or the failure that took its place. Entries go on
+        # release; dict.pop needs no lock, so a GC'd future's __del__ can free its entry from any thread.
+        self._memory: dict[int, _Stored | FailedValue] = {}
+        self._state_cv = threading.Condition()
+        self._state = RuntimeState.RUNNING  # (state)
+        self._down_reason = ""  # (state)
+        self._slots_in_use = 0  # (state) unfinished programs, at most queue_depth
+        self._unfinished: dict[int, threading.Event] = {}  # (state) seq -> set when its output exists
+        self._launched_at: dict[int, float] = {}  # (state) seq -> when launch returned
+        self._last_done = time.perf_counter()  # (state) when the device last finished a program
+        self._stats = StatsRecorder(config.recent_times_kept)
+        self._compilations_base = ops.compilations()
+        self.warmup_report: tuple[WarmupRecord, ...] = self._warm_up(warmup)
+        self.reset_stats()  # stats, the compilation count included, start after warm-up
+
+    # ---- public API ------------------------------------------------------------------------------
+
+    @property
+    def queue_depth(self) -> int:
+        return self._config.queue_depth
+
+    @property
+    def device(self) -> torch.device:
+        return self._ops.device
+
+    @property
+    def programs(self) -> frozenset[str]:
+        return frozenset(self._programs)
+
+    def enqueue(self, program: str, inputs: Mapping[str, torch.Tensor | DeviceFuture], out: TensorSpec) -> DeviceFuture:
+        if program not in self._programs:
+            raise ValueError(f"unknown program {program!r}; this device has {sorted(self._programs)}")
+        host_inputs = {name: self._copy_input(name, value) for name, value in inputs.items()}
+        self._acquire_slot()
+        finished = threading.Event()
+        try:
+            with self._launch_lock:
+                for name, value in inputs.items():
+                    # Hazard: freed in-flight input. Checked under the launch lock, which release() holds.
+                    if isinstance(value, HostFuture) and value.released:
+                        raise ValueError(f"input {name!r}: {value!r} was released")
+                with self._state_cv:
+                    self._raise_if_down()
+                seq = self._next_seq
+                self._next_seq += 1
+                inject = seq in self._injected
+                self._injected.discard(seq)
+                spec, token, launched = self._launch(seq, program, inputs, host_inputs, out, inject)
+                with self._state_cv:
+                    self._unfinished[seq] = finished
+                    self._launched_at[seq] = time.perf_counter()
+        except BaseException:
+            self._return_slot()
+            raise
+        for value in host_inputs.values():
+            if value is not None:
+                self._stats.host_upload(value.nbytes)
+        if not launched:  # failed at launch: nothing reached the device
+            self._complete(seq, self._memory[seq].message)  # type: ignore[union-attr]
+        else:
+            self._ops.when_ready(token, lambda error: self._complete(seq, error))
+        return HostFuture(self, seq, spec, finished)
+
+    def inject_failure(self, after: int = 0) -> None:
+        if after < 0:
+            raise ValueError(f"inject_failure: after must be >= 0, got {after}")
+        with self._launch_lock:
+            self._injected.add(self._next_seq + after)
+
+    def stats(self) -> RuntimeStats:
+        return replace(self._stats.snapshot(), compilations=self._ops.compilations() - self._compilations_base)
+
+    def reset_stats(self) -> None:
+        self._stats.reset()
+        self._compilations_base = self._ops.compilations()
+
+    def close(self) -> None:
+        with self._state_cv:
+            if self._state is RuntimeState.RUNNING:
+                self._state, self._down_reason = RuntimeState.CLOSED, "the runtime was closed"
+            for finished in self._unfinished.values():
+                finished.set()  # waiters wake up and find the runtime closed
+            self._unfinished.clear()
+            self._state_cv.notify_all()  # blocked enqueues wake up and raise
+        self._ops.close()
+        self._memory.clear()
+
+    # ---- FutureOwner (called by HostFuture) ------------------------------------------------------
+
+    def fetch(self, future_id: int) -> torch.Tensor:
+        with self._state_cv:
+            self._raise_if_down()
+        value = self._memory.get(future_id)
+        if value is None:
+            raise DeviceProgramError(f"future #{future_id} is not in device memory (released?)")
+        if isinstance(value, FailedValue):
+            raise DeviceProgramError(value.message)
+        try:
+            host = self._ops.to_host(value.value, value.token)  # blocks until the program ran
+        except Exception as exc:
+            raise DeviceProgramError(f"program #{future_id} failed on the device: {type(exc).__name__}: {exc}") from exc
+        with self._state_cv:
+            self._raise_if_down()  # closed while we waited: the value is no longer the device's to give
+        self._stats.host_transfer(host.nbytes)
+        return host
+
+    def release(self, future: HostFuture) -> None:
+        with self._launch_lock:
+            if future.mark_released():
+                # Safe now: every program that read this tensor was issued already and holds it itself.
+                self._memory.pop(future.future_id, None)
+
+    def defer_release(self, future_id: int) -> None:
+        self._memory.pop(future_id, None)
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _copy_input(self, name: str, value: torch.Tensor | DeviceFuture) -> torch.Tensor | None:
+        if isinstance(value, HostFuture):
+            if value.owner is not self:
+                raise ValueError(f"input {name!r}: {value!r} belongs to another runtime")
+            return None  # device-to-device: passed as is
+        if isinstance(value, torch.Tensor):
+            return value.detach().to("cpu", copy=True)  # copied now: later host writes cannot reach the device
+        raise TypeError(f"input {name!r}: expected a tensor or a DeviceFuture, got {type(value).__name__}")
+
+    def _launch(
+        self,
+        seq: int,
+        program: str,
+        inputs: Mapping[str, torch.Tensor | DeviceFuture],
+        host_inputs: Mapping[str, torch.Tensor | None],
+        out: TensorSpec,
+        inject: bool,
+    ) -> tuple[TensorSpec, object, bool]:
+        """Issue one program (caller holds the launch lock). Returns the future's spec, the completion
+        token and whether it was launched (False: it failed before reaching the device)."""
+        label = f"program {program!r} (#{seq})"
+        try:
+            args = {name: self._resolve(name, inputs[name], host) for name, host in host_inputs.items()}
+            if inject:
+                raise InjectedFailure("injected failure")
+
+            def call() -> torch.Tensor:
+                with torch.no_grad():
+                    return self._programs[program](**args)
+
+            value, token = self._ops.launch(call)
+            spec = self._check_output(value, out)
+        except _InputFailed as failed:
+            root = failed.failure.root_cause
+            self._memory[seq] = FailedValue(f"{label} not run: input {failed.name!r} depends on {root}", root)
+            return out, None, False
+        except Exception as exc:
+            error = f"{label} failed: {type(exc).__name__}: {exc}"
+            self._memory[seq] = FailedValue(error, error)
+            return out, None, False
+        self._memory[seq] = _Stored(value, token)
+        return spec, token, True
+
+    def _resolve(self, name: str, value: torch.Tensor | DeviceFuture, host: torch.Tensor | None) -> torch.Tensor:
+        if host is not None:
+            return host
+        assert isinstance(value, HostFuture)
+        stored = self._memory.get(value.future_id)
+        if stored is None:
+            raise RuntimeError(f"input {name!r}: future #{value.future_id} is not in device memory")
+        if isinstance(stored, FailedValue):
+            raise _InputFailed(name, stored)
+        return stored.value
+
+    def _check_output(self, value: object, out: TensorSpec) -> TensorSpec:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"returned {type(value).__name__}, expected a tensor")
+        if value.device.type != self._ops.device.type:
+            raise TypeError(f"returned a tensor on {value.device}, expected one on {self._ops.device}")
+        if tuple(value.shape) != out.shape or not _same_kind(value.dtype, out.dtype):
+            raise TypeError(f"returned {value.dtype}{list(value.shape)}, expected {out.dtype}{list(out.shape)}")
+        return TensorSpec(out.shape, value.dtype)  # the dtype the device really holds
+
+    def _complete(self, seq: int, error: str | None) -> None:
+        """Completion callback; runs on a device thread or inline. Takes only the state lock."""
+        now = time.perf_counter()
+        if error is not None and not isinstance(self._memory.get(seq), FailedValue):
+            message = f"program #{seq} failed on the device: {error}"
+            self._memory[seq] = FailedValue(message, message)
+        with self._state_cv:
+            launched = self._launched_at.pop(seq, now)
+            # The device was idle from its last completion until this program arrived; busy after that.
+            idle = max(0.0, launched - self._last_done)
+            device_time = now - max(launched, self._last_done)
+            self._last_done = now
+            finished = self._unfinished.pop(seq, None)
+            if finished is not None:
+                finished.set()  # before the slot is freed: whoever takes the slot sees this program done
+            self._slots_in_use -= 1
+            self._state_cv.notify()
+        self._stats.program_done(device_time, error is not None, len(self._memory), idle)
+
+    def _acquire_slot(self) -> None:
+        with self._state_cv:
+            # Bounded in-flight queue: block (never drop) until a program finishes; close() wakes us.
+            while self._state is RuntimeState.RUNNING and self._slots_in_use >= self._config.queue_depth:
+                self._state_cv.wait()
+            self._raise_if_down()
+            self._slots_in_use += 1
+
+    def _return_slot(self) -> None:
+        with self._state_cv:
+            self._slots_in_use -= 1
+            self._state_cv.notify()
+
+    def _raise_if_down(self) -> None:
+        """Caller holds ``_state_cv``."""
+        if self._state is not RuntimeState.RUNNING:
+            raise DeviceLostError(f"device runtime is {self._state.value}: {self._down_reason}")
+
+    def _warm_up(self, calls: Sequence[WarmupCall]) -> tuple[WarmupRecord, ...]:
+        """Run every warm-up call once, in order, logging what each cost; a failure fails start-up."""
+        records = []
+        started = time.perf_counter()
+        for call in tqdm(calls, desc=f"compiling for {self._ops.device}", unit="program", disable=None):
+            before, t0 = self._ops.compilations(), time.perf_counter()
+            future = self.enqueue(call.program, call.inputs, call.out)
+            try:
+                future.to_host()
+            except DeviceProgramError as exc:
+                self.close()
+                raise DeviceStartupError(f"warm-up call {call.label!r} failed: {exc}") from exc
+            finally:
+                future.release()
+            record = WarmupRecord(call.label, time.perf_counter() - t0, self._ops.compilations() - before)
+            logger.info("warm-up %s: %.2f s, %d compiled", record.label, record.seconds, record.compilations)
+            records.append(record)
+        if calls:
+            total = sum(r.compilations for r in records)
+            logger.info("warm-up: %d calls, %d compiled, %.1f s", len(calls), total, time.perf_counter() - started)
+        return tuple(records)
