@@ -2,7 +2,8 @@
 
 Sections: the sync/async comparison on one workload (always, unless `--no-compare`), and on request
 the D/C sweep (`--sweep`), host cost per step vs batch size and vs waiting requests (`--host-cost`),
-and tokens/s against transformers (`--vs-transformers`). `--all` runs every section.
+and tokens/s against transformers (`--vs-transformers`). `--all` runs every section. `bench serve`
+(bench/serve_command.py) benchmarks an HTTP server instead of the engine in process.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from neuron_async_sm.bench import host_cost, peer, sweep
 from neuron_async_sm.bench.runner import Progress, batch_config, compare_modes, load_average
+from neuron_async_sm.bench.serve_command import add_serve_bench_parser
 from neuron_async_sm.bench.workloads import DEFAULT_NUM_REQUESTS, WORKLOADS, build_workload
 from neuron_async_sm.model.config import load_model_config
 
@@ -88,6 +90,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run_bench)
+    sections = p.add_subparsers(dest="bench_command", metavar="{serve}", title="against a server")
+    add_serve_bench_parser(sections)  # bench/serve_command.py: `bench serve`
 
 
 def _progress_bar(enabled: bool, total: int, desc: str) -> tuple[Progress, Callable[[], None]]:

@@ -129,3 +129,43 @@ def _peer(ax, data: dict) -> None:
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"tokens/s vs transformers (greedy, {data['new_tokens']} new tokens)")
     ax.legend(fontsize=8)
+
+
+SERVE_PLOT = "bench_serve.png"
+
+
+def write_serve_plot(report: dict, directory: str | Path) -> Path:
+    """TTFT and TPOT (p50 solid, p99 dashed) against the request rate, one line per mode: bench_serve.png."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    plt = _pyplot()
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    labels = report["config"]["request_rates"]
+    fig, axes = plt.subplots(1, 2, figsize=(10.0, 4.2), dpi=110)
+    colors = {"sync": "tab:orange", "async": "tab:blue"}
+    for ax, metric, title in ((axes[0], "ttft", "time to first token"), (axes[1], "tpot", "time per output token")):
+        for mode, rows in report["results"].items():
+            by_label = {r["rate_label"]: r for r in rows}
+            for q, style in (("p50", "o-"), ("p99", "s--")):
+                ys = [by_label[x][f"{metric}_ms_{q}"] for x in labels]
+                ax.plot(range(len(labels)), ys, style, color=colors.get(mode, "tab:green"), label=f"{mode} {q}",
+                        fillstyle="full" if q == "p50" else "none")  # fmt: skip
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels)
+        ax.set_xlabel("request rate (requests/s, Poisson; inf: all at once)")
+        ax.set_ylabel(f"{metric.upper()} (ms)")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_yscale("log")  # queueing at the highest rates dwarfs the light-load TTFT
+    axes[0].yaxis.set_major_formatter(ScalarFormatter())  # 20, not 2 x 10^1
+    axes[0].yaxis.set_minor_formatter(NullFormatter())
+    c = report["config"]
+    fig.suptitle(f"bench serve: {c['model']}, {c['num_prompts']} prompts x {c['input_len']} -> {c['output_len']} "
+                 f"tokens, medians of {c['repetitions']} alternating runs", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    path = out / SERVE_PLOT
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path
