@@ -1,7 +1,7 @@
 """The spec and the code cannot drift apart: both sides are derived from what they really do.
 
-- The machine's transitions: TLC's state graph of MCMachine, projected onto the machine state, has
-  exactly the edges of `async_machine.TRANSITIONS`.
+- The machine's transitions: TLC's state graphs of MCMachine and MCMachineRelay (the relay off and
+  on), projected onto the machine state, have together exactly the edges of `async_machine.TRANSITIONS`.
 - The decision and the row order: the spec's `Decide` and `NextRowOrder` give what the Python
   `decide()` and `next_row_order()` give, on cases TLC checks as ASSUMEs of a generated module.
 - Each path state's plan: TLC evaluates the spec's `Materializes` and `InputSource` for every path
@@ -22,7 +22,8 @@ from tlc import SPEC_DIR, TlcResult, manifest_models, run_tlc, tla
 from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.input_batch import next_row_order
 
-MACHINE_MODEL = next(m for m in manifest_models() if m.get("dump") == "dot")
+# The models whose state graphs make the spec side: the relay off (every design path) and on (Relay).
+MACHINE_MODELS = [m for m in manifest_models() if m.get("dump") == "dot"]
 _NODE = re.compile(r'^(-?\d+) \[label="[^\n]*?mstate = \\"(\w+)\\"', re.M)
 _EDGE = re.compile(r'^(-?\d+) -> (-?\d+) \[label="(\w+)"', re.M)
 
@@ -57,11 +58,15 @@ def spec_edges(dot: str) -> set[tuple[str, str, str]]:
 
 
 def test_spec_state_graph_has_exactly_the_transition_tables_edges(model_results):
-    result = model_results[MACHINE_MODEL["config"]]
-    assert result.outcome == "pass", result.errors()
-    dot = result.dot_path.read_text()
-    assert len(_NODE.findall(dot)) == result.distinct_states
-    spec, table = spec_edges(dot), table_edges()
+    assert len(MACHINE_MODELS) == 2, "the relay off and on"
+    spec = set()
+    for model in MACHINE_MODELS:
+        result = model_results[model["config"]]
+        assert result.outcome == "pass", result.errors()
+        dot = result.dot_path.read_text()
+        assert len(_NODE.findall(dot)) == result.distinct_states
+        spec |= spec_edges(dot)
+    table = table_edges()
     assert not spec - table, f"the spec takes transitions the table lacks: {sorted(spec - table)}"
     assert not table - spec, f"the table has transitions the spec never takes: {sorted(table - spec)}"
 
@@ -78,13 +83,16 @@ def decide_cases(rng: random.Random) -> list[dict]:
     """Observations covering every combination of the table's conditions, plus random ones."""
     base = ("a", "b", "c")
     currs = {"same": base, "reordered": ("c", "a", "b"), "fewer": ("a", "b"), "other": ("a", "b", "d")}
-    observations = [sm.StepObservation(False, (), base, True, (), "", (4,), "torch.int32")]
+    observations = [
+        sm.StepObservation(False, (), base, True, (), "", (4,), "torch.int32", relay) for relay in (False, True)
+    ]
     for curr in currs.values():
         for all_decode in (True, False):
             for input_shape in ((4,), (8,), (3, 16)):
                 for input_dtype in ("torch.int32", "torch.int64"):
-                    observations.append(sm.StepObservation(True, base, curr, all_decode, (4,), "torch.int32",
-                                                           input_shape, input_dtype))  # fmt: skip
+                    for relay in (False, True):
+                        observations.append(sm.StepObservation(True, base, curr, all_decode, (4,), "torch.int32",
+                                                               input_shape, input_dtype, relay))  # fmt: skip
     ids = "abcd"
     for _ in range(300):
         prev = tuple(rng.sample(ids, rng.randint(0, 4)))
@@ -94,6 +102,7 @@ def decide_cases(rng: random.Random) -> list[dict]:
             has_pending, prev if has_pending else (), curr, rng.random() < 0.7,
             rng.choice([(1,), (2,), (4,)]) if has_pending else (), "torch.int32" if has_pending else "",
             rng.choice([(1,), (2,), (4,), (2, 8)]), rng.choice(["torch.int32", "torch.int32", "torch.int64"]),
+            rng.random() < 0.5,
         ))  # fmt: skip
     return [
         {"obs": {camel(k): v for k, v in dataclasses.asdict(o).items()}, "expect": sm.decide(o)} for o in observations
@@ -137,7 +146,7 @@ def run_assumes(module: str, text: str, spec_dir: Path) -> TlcResult:
     shutil.copy(SPEC_DIR / "AsyncScheduling.tla", spec_dir)
     shutil.copy(SPEC_DIR / "MCAsyncScheduling.tla", spec_dir)
     (spec_dir / f"{module}.tla").write_text(text)
-    constants = (SPEC_DIR / MACHINE_MODEL["config"]).read_text().split("SPECIFICATION")[0]
+    constants = (SPEC_DIR / MACHINE_MODELS[0]["config"]).read_text().split("SPECIFICATION")[0]
     (spec_dir / f"{module}.cfg").write_text(constants + "INIT NoInit\nNEXT Next\n")
     result = run_tlc(module, f"{module}.cfg", spec_dir=spec_dir)
     assert result.exit_code == 0, "\n".join([*result.printed, result.errors()])

@@ -57,7 +57,9 @@ def test_each_must_fail_model_drops_exactly_one_guard_of_the_reference_model():
         if entry["expect"] == "pass":
             assert all(constants(entry["config"])[g] == "TRUE" for g in GUARDS), entry["config"]
             continue
-        diff = {k for k, v in constants(entry["config"]).items() if reference.get(k) != v}
+        base = constants(entry.get("base", REFERENCE_CONFIG))  # a passing model: every guard in place
+        assert entry.get("base", REFERENCE_CONFIG) in {m["config"] for m in MODELS if m["expect"] == "pass"}, entry
+        diff = {k for k, v in constants(entry["config"]).items() if base.get(k) != v}
         assert len(diff) == 1 and diff <= set(GUARDS), f"{entry['config']} differs in {diff}"
         assert entry["guard"] in diff, entry
         dropped |= diff

@@ -32,7 +32,10 @@ ENGINE = dict(
     decode_buckets=(1, 2, 4, 8),
     device_time_ms=2,  # programs take a moment: both threads really wait on the same output
 )
-SEEDS = (5, 6, 9, 12, 13)  # together they reach every path state, stops, max_tokens and aborts
+SEEDS = (5, 6, 9, 12, 13)  # relay off: together they reach every design path, stops, max_tokens and aborts
+RELAY_SEEDS = (5, 9, 13)  # relay on (the default): Relay beside Steady
+RECORDINGS = [(seed, False) for seed in SEEDS] + [(seed, True) for seed in RELAY_SEEDS]
+RECORDING_IDS = [f"seed{seed}-{'relay' if relay else 'no-relay'}" for seed, relay in RECORDINGS]
 
 
 def record(path: Path, seed: int, **overrides: object) -> tuple[list[dict], dict[str, str | None]]:
@@ -43,23 +46,27 @@ def record(path: Path, seed: int, **overrides: object) -> tuple[list[dict], dict
     return read_trace(path), result.finish
 
 
+Recorded = dict[tuple[int, bool], tuple[list[dict], dict[str, str | None]]]
+
+
 @pytest.fixture(scope="module")
-def recorded(tlc_available, tmp_path_factory) -> dict[int, tuple[list[dict], dict[str, str | None]]]:
+def recorded(tlc_available, tmp_path_factory) -> Recorded:
     folder = tmp_path_factory.mktemp("traces")
-    return {seed: record(folder / f"seed{seed}.ndjson", seed) for seed in SEEDS}
+    return {(seed, relay): record(folder / f"{name}.ndjson", seed, async_relay=relay)
+            for (seed, relay), name in zip(RECORDINGS, RECORDING_IDS, strict=True)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def verdicts(recorded) -> dict[int, TraceVerdict]:
+def verdicts(recorded) -> dict[tuple[int, bool], TraceVerdict]:
     with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
-        futures = {seed: pool.submit(check_trace, events) for seed, (events, _) in recorded.items()}
-        return {seed: future.result() for seed, future in futures.items()}
+        futures = {key: pool.submit(check_trace, events) for key, (events, _) in recorded.items()}
+        return {key: future.result() for key, future in futures.items()}
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_real_engine_trace_is_a_behaviour_of_the_spec(verdicts, seed):
-    verdict = verdicts[seed]
-    print(f"seed {seed}: {verdict.describe()} ({verdict.tlc.distinct_states} distinct states)")
+@pytest.mark.parametrize("recording", RECORDINGS, ids=RECORDING_IDS)
+def test_real_engine_trace_is_a_behaviour_of_the_spec(verdicts, recording):
+    verdict = verdicts[recording]
+    print(f"{recording}: {verdict.describe()} ({verdict.tlc.distinct_states} distinct states)")
     assert verdict.accepted, verdict.describe()
 
 
@@ -75,12 +82,33 @@ def test_recorded_traces_cover_every_path_both_threads_and_every_finish(recorded
 
 
 def test_a_trace_with_a_wrong_decision_is_rejected_at_that_event(recorded):
-    events, _ = recorded[SEEDS[0]]
+    events, _ = recorded[SEEDS[0], False]
     i = next(i for i, e in enumerate(events) if e["event"] == "step" and e["state"] == sm.STEADY)
     wrong = [dict(e) for e in events]
     wrong[i]["state"] = sm.REORDER_REMAP
     if wrong[i + 1]["event"] == "reinstate":
         wrong[i + 1]["source"] = sm.REORDER_REMAP
+    verdict = check_trace(wrong)
+    assert not verdict.accepted
+    assert verdict.rejected_event == wrong[i], verdict.describe()
+
+
+def test_a_relay_whose_row_map_is_corrupted_is_rejected_at_that_step(recorded):
+    """The engine logs the relay's row map with the step's reinstate. One row pointed at another row
+    of the previous step (as a map by position would after condense()) is not a behaviour of the spec."""
+    events, _ = recorded[RELAY_SEEDS[0], True]
+    reinstates = [i for i, e in enumerate(events) if e["event"] == "reinstate"]
+    for prev, i in zip(reinstates, reinstates[1:], strict=False):
+        rows = events[prev]["req_ids"]
+        if events[i]["source"] == sm.RELAY and len(rows) > 1 and max(events[i]["relay_from"]) >= 0:
+            break
+    else:
+        pytest.fail("no Relay step read a previous step of two rows or more")
+    wrong = [dict(e) for e in events]
+    row_map = list(wrong[i]["relay_from"])
+    k = next(k for k, j in enumerate(row_map) if j >= 0)
+    row_map[k] = (row_map[k] + 1) % len(rows)  # another request's row of the previous step
+    wrong[i]["relay_from"] = row_map
     verdict = check_trace(wrong)
     assert not verdict.accepted
     assert verdict.rejected_event == wrong[i], verdict.describe()
@@ -109,8 +137,8 @@ def test_trace_of_an_engine_killed_by_a_failing_program_is_a_behaviour_of_the_sp
 def test_trace_of_an_engine_without_the_get_output_lock_is_rejected(tlc_available, tmp_path, monkeypatch):
     # Test-only hook: get_output() without its lock. Both threads then materialize one output.
     monkeypatch.setattr(AsyncModelRunnerOutput, "lock_factory", contextlib.nullcontext)
-    for seed in SEEDS:
-        events, _ = record(tmp_path / f"broken{seed}.ndjson", seed, device_time_ms=5)
+    for seed in SEEDS:  # relay off: only a break or a rebuild materializes on the main thread
+        events, _ = record(tmp_path / f"broken{seed}.ndjson", seed, device_time_ms=5, async_relay=False)
         per_step = Counter(e["step"] for e in events if e["event"] == "Materialize")
         if max(per_step.values(), default=0) > 1:
             break

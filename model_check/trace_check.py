@@ -102,6 +102,8 @@ def trace_records(events: Iterable[dict]) -> list[dict]:
             "sampled": [p is not None for p in e["positions"]] if materialize else [],
             "count": e["count"] if materialize else 0,
             "ok": bool(e["ok"]) if materialize else True,
+            # the relay's row map, rows numbered as in the spec (1-based; 0: the row keeps its host id)
+            "relay_from": [j + 1 for j in e.get("relay_from", [])][: len(req_ids)] if e["event"] == "reinstate" else [],
         })  # fmt: skip
     return records
 
@@ -154,6 +156,7 @@ def trace_log_module(events: list[dict]) -> str:
         f"TraceMaxChunks == {chunks}",
         # Programs may fail only in a trace that shows a failure: an error or a drained engine.
         f"TraceAllowFailure == {tla(any(r['event'] == 'drain' or not r['ok'] for r in records))}",
+        f"TraceAsyncRelay == {tla(bool(config.get('async_relay', False)))}",  # traces from before the relay: off
         "TraceEvents == <<",
         ",\n".join("  " + tla(r) for r in records),
         ">>",

@@ -57,6 +57,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
         help="overlap host work with device execution",
     )  # fmt: skip
+    p.add_argument(
+        "--async-relay", action=argparse.BooleanOptionalAction, default=d.async_relay,
+        help="async mode: when the batch changes, build input ids on the device from the previous step's "
+             "sampled tokens instead of breaking the async flow",
+    )  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests running at once")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="positions per request (default: the model's max_position_embeddings, reduced to fit "
@@ -80,6 +85,7 @@ def _engine_config(args: argparse.Namespace) -> dict:
         "device": args.device,
         "dtype": args.dtype,
         "async_scheduling": args.async_scheduling,
+        "async_relay": args.async_relay,
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len,
         "kv_cache_memory_gb": args.kv_cache_memory_gb,

@@ -33,6 +33,10 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     async_scheduling: bool = True
+    # Async mode: a step whose batch changed builds its input ids on the device from the previous
+    # step's sampled-token future by a row map (the Relay path) instead of breaking the async flow.
+    # False: the design's CompositionBreak / ShapeMismatchRebuild / ReorderRemap, counter for counter.
+    async_relay: bool = True
     # Async scheduling feeds the sampled-token future straight into the next program, so the
     # tokens must be sampled inside the program (on device). The design requires it.
     on_device_sampling: bool = True

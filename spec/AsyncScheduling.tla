@@ -14,6 +14,9 @@
 (*   when it breaks the async flow.                                        *)
 (* - Requests arrive, finish (EOS is known only after materialization,     *)
 (*   max_tokens ahead of time), are aborted, and condense() reorders rows. *)
+(* - With AsyncRelay, a step whose future cannot be the input as it is     *)
+(*   builds its input ids on the device instead: each row takes its token  *)
+(*   from the previous future by a row map, or its host-known id (Relay).  *)
 (*                                                                         *)
 (* Tokens are abstract: Tok(r, k) is the k-th output token of request r.   *)
 (* A row that computes from a wrong input samples a Corrupt token.         *)
@@ -29,6 +32,7 @@ CONSTANTS
     MaxChunks,     \* a prompt is computed in at most this many prefill chunks
     MayAbort,      \* requests a client may abort
     AllowFailure,  \* programs may fail and the engine may die, which drains the pipeline
+    AsyncRelay,    \* the switch --async-relay: the Relay path replaces the breaks, rebuilds and remaps
     \* The guards. The implementation has all of them; each must-fail model drops one.
     GetOutputLock,             \* get_output() materializes under the output's lock
     CompositionGuard,          \* CompositionBreak materializes before inputs are built
@@ -38,12 +42,14 @@ CONSTANTS
     WriteBackBySnapshot,       \* write-back goes by the snapshot's ids, never by current row
     StateLockFreeWhileWaiting, \* the main thread never holds the CPU-state lock in get_output
     RemapIsSyncFallback,       \* a ReorderRemap step is counted as sync fallback, not async
-    BatchQueueBounded          \* the engine core waits for the oldest output when its queue is full
+    BatchQueueBounded,         \* the engine core waits for the oldest output when its queue is full
+    RelayByRequestId,          \* the relay's row map finds a row's token by request id, never by row
+    RelayOnlyNewestToken       \* ... and only for a row whose previous step sampled the token it reads
 
 ReqSet == {Requests[i] : i \in 1..Len(Requests)}
 Threads == {"main", "output"}
-PathStates == {"NoPendingFuture", "CompositionBreak", "ShapeMismatchRebuild", "ReorderRemap", "Steady"}
-AsyncStates == {"Steady"}   \* the only path counted as an async step
+PathStates == {"NoPendingFuture", "CompositionBreak", "ShapeMismatchRebuild", "ReorderRemap", "Steady", "Relay"}
+AsyncStates == {"Steady", "Relay"}   \* the paths counted as an async step: no host round trip
 MachineStates == PathStates \cup {"Idle", "Reinstate"}
 None == ""                  \* an empty row (a hole before condense())
 
@@ -91,9 +97,12 @@ NextRowOrder(rs, removed, added) ==
 CompositionChanged(o) == Range(o.prevReqIds) # Range(o.currReqIds)
 ShapeMismatch(o) == ~o.allDecode \/ o.pendingShape # o.inputShape \/ o.pendingDtype # o.inputDtype
 OrderChanged(o) == o.prevReqIds # o.currReqIds
+\* The engine relays and the future cannot be the input as it is (what would otherwise break).
+RelayCovers(o) == o.relay /\ (CompositionChanged(o) \/ ShapeMismatch(o) \/ OrderChanged(o))
 
 Decide(o) ==
     IF ~o.hasPending THEN "NoPendingFuture"
+    ELSE IF RelayCovers(o) THEN "Relay"
     ELSE IF CompositionChanged(o) THEN "CompositionBreak"
     ELSE IF ShapeMismatch(o) THEN "ShapeMismatchRebuild"
     ELSE IF OrderChanged(o) THEN "ReorderRemap"
@@ -252,7 +261,8 @@ Observation(curr, allDecode) ==
      pendingShape |-> IF pending # 0 THEN steps[pending].shape ELSE <<>>,
      pendingDtype |-> IF pending # 0 THEN SampledDtype ELSE None,
      inputShape |-> InputShape(Len(curr), allDecode),
-     inputDtype |-> SampledDtype]
+     inputDtype |-> SampledDtype,
+     relay |-> AsyncRelay]
 
 \* Does the path materialize the pending output before inputs are built on the CPU?
 Materializes(path, allDecode) ==
@@ -260,11 +270,13 @@ Materializes(path, allDecode) ==
     \/ path = "ShapeMismatchRebuild" /\ RebuildOnShapeMismatch /\ (allDecode \/ RebuildWhenNotAllDecode)
 
 \* Where the path's decode rows take their input ids from (a prefill row's input is its prompt):
-\* the CPU-built ones, the pending future as it is, or the future's rows gathered into the new order.
+\* the CPU-built ones, the pending future as it is, the future's rows gathered into the new order,
+\* or built on the device from the future by a row map, each unmapped row keeping its CPU-built id.
 \* With Materializes, what async_machine.PLANS declares per path state (model_check checks both agree).
 InputSource(path) ==
     CASE path = "Steady" -> "future"
       [] path = "ReorderRemap" -> IF RemapOnReorder THEN "remapped_future" ELSE "future"
+      [] path = "Relay" -> "relayed_future"
       [] OTHER -> "cpu"
 
 \* What the worker makes of one scheduler choice: the row order after update, the observation,
@@ -316,6 +328,7 @@ CompositionBreak == StepReady /\ \E p \in Plans : p.path = "CompositionBreak" /\
 ShapeMismatchRebuild == StepReady /\ \E p \in Plans : p.path = "ShapeMismatchRebuild" /\ TakePath(p)
 ReorderRemap == StepReady /\ \E p \in Plans : p.path = "ReorderRemap" /\ TakePath(p)
 Steady == StepReady /\ \E p \in Plans : p.path = "Steady" /\ TakePath(p)
+Relay == StepReady /\ \E p \in Plans : p.path = "Relay" /\ TakePath(p)
 
 -----------------------------------------------------------------------------
 (* get_output(): the output thread on every output in order, the main thread *)
@@ -375,6 +388,20 @@ Materialize(t) ==  \* transfer to the host and write back; blocks until the prog
 \* counters and the materialization checks read: its rows, inputs and tokens go (long traces stay cheap).
 Retire(st) == [st EXCEPT !.rows = <<>>, !.outIdx = <<>>, !.input = <<>>, !.result = <<>>]
 
+\* The relay's row map (model_runner._relay_rows): for each row of step c, the row of the previous
+\* step prev whose sampled token it computes on, or 0 when it has none there (it keeps its
+\* CPU-built id: a prompt chunk, or a token already on the host).
+RelayFrom(c, prev) ==
+    LET \* Hazard: stale input ids. Only a decode row whose token the previous step sampled.
+        Newest(r, j) == RelayOnlyNewestToken => r \in c.decode /\ prev.outIdx[j] > 0
+        Source(i) ==
+            LET r == c.curr[i] IN
+            \* Hazard: token ownership. By request id: rows move and leave between the two steps.
+            IF RelayByRequestId
+            THEN IF r \in Range(prev.rows) /\ Newest(r, IndexOf(prev.rows, r)) THEN IndexOf(prev.rows, r) ELSE 0
+            ELSE IF i <= Len(prev.rows) /\ Newest(r, i) THEN i ELSE 0
+    IN [i \in DOMAIN c.curr |-> Source(i)]
+
 -----------------------------------------------------------------------------
 (* reinstate: update the batch, build inputs as the path says, enqueue the   *)
 (* program, snapshot the row owners, refill the async buffer.                *)
@@ -385,9 +412,12 @@ Reinstate ==
            s == Len(steps) + 1
            prev == IF pending # 0 THEN steps[pending] ELSE [rows |-> <<>>]
            FutureRow(i) == IF prev.outIdx[i] > 0 THEN prev.result[i] ELSE Poison
+           relay == RelayFrom(c, prev)
            Input(i) ==
                LET r == c.curr[i] IN
-               IF r \notin c.decode THEN Prompt
+               \* Built on the device: where(map >= 0, future[map], host ids).
+               IF InputSource(c.path) = "relayed_future" /\ relay[i] > 0 THEN FutureRow(relay[i])
+               ELSE IF r \notin c.decode THEN Prompt
                \* Device-to-device: the future is the input.
                ELSE IF InputSource(c.path) = "future" THEN FutureRow(i)
                \* Hazard: token ownership after condense(). Row i must get curr[i]'s token, not prev[i]'s.
@@ -501,9 +531,9 @@ Done == Terminated /\ UNCHANGED vars  \* keeps TLC from calling a finished run a
 OutputThread == \E t \in Threads : GetOutput(t) \/ GetOutputCached(t) \/ Materialize(t)
 
 Next ==
-    \/ NoPendingFuture \/ CompositionBreak \/ ShapeMismatchRebuild \/ ReorderRemap \/ Steady  \* step
-    \/ Reinstate                                                                               \* reinstate
-    \/ Drain                                                                                   \* drain
+    \/ NoPendingFuture \/ CompositionBreak \/ ShapeMismatchRebuild \/ ReorderRemap \/ Steady \/ Relay  \* step
+    \/ Reinstate                                                                                       \* reinstate
+    \/ Drain                                                                                           \* drain
     \/ OutputThread
     \/ DeviceRun \/ WaitOldest \/ AdvanceStep
     \/ AddRequest \/ \E r \in ReqSet : Abort(r)
@@ -538,7 +568,7 @@ TokenOwnershipInv ==
 NoStaleInputInv ==
     \A s \in 1..Len(steps) : \A i \in DOMAIN steps[s].rows : steps[s].input[i] # Poison
 
-\* Every forward step is counted once, as async or as sync fallback, and only Steady is async.
+\* Every forward step is counted once, as async or as sync fallback; only Steady and Relay are async.
 CounterInv ==
     LET paths == [s \in 1..Len(steps) |-> steps[s].path] \o (IF cur = NoCur THEN <<>> ELSE <<cur.path>>)
         Count(P) == Cardinality({i \in DOMAIN paths : paths[i] \in P})

@@ -31,7 +31,7 @@ StepEvent(e) ==
     /\ e.event = "step"
     /\ MachineEvent(e)
     /\ e.step = Len(steps)
-    /\ \/ NoPendingFuture \/ CompositionBreak \/ ShapeMismatchRebuild \/ ReorderRemap \/ Steady
+    /\ \/ NoPendingFuture \/ CompositionBreak \/ ShapeMismatchRebuild \/ ReorderRemap \/ Steady \/ Relay
     /\ cur'.curr = e.req_ids
     /\ cur'.admitted = Range(e.new)
 
@@ -41,6 +41,8 @@ ReinstateEvent(e) ==
     /\ e.step = Len(steps)
     /\ Reinstate
     /\ steps'[Len(steps')].rows = e.req_ids
+    \* the relay's row map as the engine built it (1-based rows of the previous step, 0: host id)
+    /\ e.relay_from = IF cur.path = "Relay" THEN RelayFrom(cur, steps[pending]) ELSE <<>>
 
 DrainEvent(e) ==
     /\ e.event = "drain"

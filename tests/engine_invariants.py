@@ -180,7 +180,10 @@ def check_machine(llm: LLM) -> None:
     assert (machine.state == sm.REINSTATE) == (runner.buffer is not None), (machine.state, runner.buffer)
     assert machine.async_steps + machine.sync_fallback_steps == engine.num_steps, (machine.counters(), engine.num_steps)
     assert sum(machine.state_counts.values()) == engine.num_steps, (machine.counters(), engine.num_steps)
-    assert machine.async_steps == machine.state_counts[sm.STEADY], f"only Steady is async: {machine.counters()}"
+    async_steps = machine.state_counts[sm.STEADY] + machine.state_counts[sm.RELAY]
+    assert machine.async_steps == async_steps, f"only Steady and Relay are async: {machine.counters()}"
+    if not llm.config.async_relay:
+        assert machine.state_counts[sm.RELAY] == 0, f"relayed with the relay off: {machine.counters()}"
 
 
 def check_worker_tokens(llm: LLM, tracked: dict[str, Tracked]) -> None:

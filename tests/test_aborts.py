@@ -23,6 +23,7 @@ from engine_invariants import (
 )
 
 from neuron_async_sm import LLM, SamplingParams
+from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.async_output import StepSnapshot
 
 DEVICE_TIME_MS = 10  # each program runs at least this long: a step just enqueued is really in flight
@@ -103,6 +104,27 @@ def test_abort_before_first_step(llm, reference):
     client.run_until_idle()
     assert client.requests["early-a"].emitted == []
     assert client.requests["early-b"].finish == "length"
+
+
+def test_abort_of_a_request_whose_token_the_next_step_would_relay(llm, reference):
+    """b's newest token is only in the pending future when it is aborted. The next step relays a's
+    and c's tokens out of that future (c moved into b's row by condense()) and never reads b's."""
+    assert llm.config.async_relay
+    client = Client(llm, reference)
+    for i, rid in enumerate(("relay-a", "relay-b", "relay-c")):
+        client.add(rid, prompt(4 + i, 20 + i))
+    for _ in range(3):  # the prefill, then decodes: the pending step samples b's next token
+        client.step()
+    runner = llm.engine.runner
+    assert runner.buffer is not None and "relay-b" in runner.buffer.req_ids
+    relays = runner.machine.state_counts[sm.RELAY]
+    client.abort("relay-b")
+    client.step()
+    client.step()
+    assert runner.machine.state_counts[sm.RELAY] > relays, runner.machine.counters()
+    client.run_until_idle()
+    assert client.requests["relay-b"].finish == "abort"
+    assert client.requests["relay-a"].finish == client.requests["relay-c"].finish == "length"
 
 
 def test_abort_while_waiting_for_a_slot(llm, reference):

@@ -1,4 +1,6 @@
-"""Async mode emits exactly the tokens sync mode emits, for every request, under random workloads."""
+"""Async mode emits exactly the tokens sync mode emits, for every request, under random workloads.
+
+Async runs twice: with the relay (the default) and without it (the design's paths)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 from workloads import drive, random_workload
 
 from neuron_async_sm import LLM, SamplingParams
+from neuron_async_sm.worker import async_machine as sm
 
 ENGINE = dict(
     dtype="float64",  # float32 matmuls may round differently per batch size; float64 makes ties negligible
@@ -21,21 +24,26 @@ ENGINE = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def sync_llm():
-    with LLM("tiny-llama", async_scheduling=False, **ENGINE) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
-def async_llm(tmp_path_factory):
+@pytest.fixture(scope="module", params=[True, False], ids=["relay", "no-relay"])
+def engines(request, tmp_path_factory):
+    """A fresh sync engine beside each async one: an engine draws a missing seed from how many
+    requests it has accepted, so the pair must have seen the same requests."""
     trace = tmp_path_factory.mktemp("trace") / "equivalence.ndjson"
-    with LLM("tiny-llama", async_scheduling=True, trace_path=str(trace), **ENGINE) as llm:
+    with (
+        LLM("tiny-llama", async_scheduling=False, **ENGINE) as sync_llm,
+        LLM("tiny-llama", async_scheduling=True, async_relay=request.param, trace_path=str(trace), **ENGINE) as llm,
+    ):
         llm.trace_file = trace
-        yield llm
+        yield sync_llm, llm
 
 
-def test_random_workloads_give_identical_tokens(sync_llm, async_llm):
+@pytest.fixture
+def async_llm(engines):
+    return engines[1]
+
+
+def test_random_workloads_give_identical_tokens(engines):
+    sync_llm, async_llm = engines
     rng = random.Random(1234)
     finishes = Counter()
     for n in range(40):
@@ -54,7 +62,11 @@ def test_random_workloads_give_identical_tokens(sync_llm, async_llm):
     assert finishes["stop"] and finishes["length"] and finishes["abort"]  # the workloads cover them all
     counters = async_llm.stats()
     assert counters["async_steps"] + counters["sync_fallback_steps"] == counters["steps"]
-    assert all(counters["state_counts"][s] > 0 for s in counters["state_counts"]), counters["state_counts"]
+    # With the relay every step Steady cannot take relays; without it, the design's three fallbacks.
+    fallbacks = {sm.COMPOSITION_BREAK, sm.SHAPE_MISMATCH_REBUILD, sm.REORDER_REMAP}
+    reached = {s for s, n in counters["state_counts"].items() if n > 0}
+    relay = async_llm.config.async_relay
+    assert reached == set(sm.PATH_STATES) - (fallbacks if relay else {sm.RELAY}), counters["state_counts"]
 
 
 def test_every_output_is_materialized_exactly_once(async_llm):
@@ -67,7 +79,11 @@ def test_every_output_is_materialized_exactly_once(async_llm):
     assert set(materialized) == stepped
     assert set(materialized.values()) == {1}
     threads = Counter(e["thread"] for e in events if e["event"] == "Materialize")
-    assert threads["async-output"] > 0 and threads["MainThread"] > 0  # both threads really contend
+    assert threads["async-output"] > 0
+    if async_llm.config.async_relay:
+        assert threads["MainThread"] == 0, threads  # the relay never waits for an output on the main thread
+    else:
+        assert threads["MainThread"] > 0  # the breaks and rebuilds: both threads really contend
 
 
 def test_long_steady_decode_is_mostly_async():

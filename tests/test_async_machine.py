@@ -7,8 +7,10 @@ from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.input_batch import next_row_order
 
 
-def obs(prev=("a", "b"), curr=("a", "b"), decode=True, pshape=(4,), ishape=(4,), pdtype="int32", pending=True):
-    return sm.StepObservation(pending, prev if pending else (), curr, decode, pshape, pdtype, ishape, "int32")
+def obs(
+    prev=("a", "b"), curr=("a", "b"), decode=True, pshape=(4,), ishape=(4,), pdtype="int32", pending=True, relay=False
+):
+    return sm.StepObservation(pending, prev if pending else (), curr, decode, pshape, pdtype, ishape, "int32", relay)
 
 
 @pytest.mark.parametrize(
@@ -30,6 +32,23 @@ def test_decide_follows_the_design(observation, expected):
     assert sm.decide(observation) == expected
 
 
+@pytest.mark.parametrize(
+    "observation,expected",
+    [
+        (obs(pending=False, relay=True), sm.NO_PENDING_FUTURE),
+        (obs(curr=("a",), relay=True), sm.RELAY),  # finished / unscheduled
+        (obs(curr=("a", "b", "c"), decode=False, ishape=(3, 16), relay=True), sm.RELAY),  # a prefill joins
+        (obs(pshape=(2,), relay=True), sm.RELAY),  # first decode after a prefill
+        (obs(pdtype="int64", relay=True), sm.RELAY),
+        (obs(decode=False, ishape=(2, 16), relay=True), sm.RELAY),  # chunked prefill beside a decode
+        (obs(curr=("b", "a"), relay=True), sm.RELAY),  # condense() reordered
+        (obs(relay=True), sm.STEADY),  # the future as it is: nothing to relay
+    ],
+)
+def test_with_the_relay_every_step_steady_cannot_take_relays(observation, expected):
+    assert sm.decide(observation) == expected
+
+
 def test_machine_and_pure_decision_agree_and_count():
     machine = sm.AsyncStepMachine()
     seq = [obs(pending=False), obs(pshape=(2,)), obs(), obs(), obs(curr=("b", "a")), obs(curr=("a",))]
@@ -40,7 +59,7 @@ def test_machine_and_pure_decision_agree_and_count():
     assert machine.sync_fallback_steps == 4
     assert machine.state_counts == {
         sm.NO_PENDING_FUTURE: 1, sm.COMPOSITION_BREAK: 1, sm.SHAPE_MISMATCH_REBUILD: 1,
-        sm.REORDER_REMAP: 1, sm.STEADY: 2,
+        sm.REORDER_REMAP: 1, sm.STEADY: 2, sm.RELAY: 0,
     }  # fmt: skip
 
 
@@ -62,8 +81,8 @@ def test_observation_must_match_the_buffer_state():
         machine.begin_step(obs())
 
 
-def test_only_steady_is_async():
-    assert sm.ASYNC_STATES == {sm.STEADY}
+def test_steady_and_relay_are_the_async_steps():
+    assert sm.ASYNC_STATES == {sm.STEADY, sm.RELAY}
     assert set(sm.PATH_STATES) | {sm.IDLE, sm.REINSTATE} == set(sm.STATES)
 
 

@@ -1,4 +1,7 @@
-"""Scripted scenarios: the path each step takes, and the counters, match the design step by step."""
+"""Scripted scenarios: the path each step takes, and the counters, match the design step by step.
+
+With `--no-async-relay` every scenario takes the design's paths, counter for counter; with the relay
+on, each step the design breaks, rebuilds or remaps is a Relay instead."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import pytest
 from neuron_async_sm import LLM, PromptRequest, SamplingParams
 
 S, NP, CB, SM, RR = "Steady", "NoPendingFuture", "CompositionBreak", "ShapeMismatchRebuild", "ReorderRemap"
+R = "Relay"
+PATHS = (NP, R, CB, SM, RR, S)
 
 
 def run(tmp_path, requests, **config):
@@ -54,12 +59,20 @@ SCENARIOS = {
 }
 
 
+def relayed(paths: list[str]) -> list[str]:
+    """The paths with the relay on: every break, rebuild and remap relays."""
+    return [R if p in (CB, SM, RR) else p for p in paths]
+
+
+@pytest.mark.parametrize("relay", [False, True], ids=["no-relay", "relay"])
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_scenario_paths_and_counters(tmp_path, name):
-    requests, config, expected = SCENARIOS[name]
-    paths, outputs, stats = run(tmp_path, requests, **config)
+def test_scenario_paths_and_counters(tmp_path, name, relay):
+    requests, config, design = SCENARIOS[name]
+    expected = relayed(design) if relay else design
+    paths, outputs, stats = run(tmp_path, requests, async_relay=relay, **config)
     assert paths == expected
-    assert stats["async_steps"] == expected.count(S)
-    assert stats["sync_fallback_steps"] == len(expected) - expected.count(S)
-    assert stats["state_counts"] == {s: expected.count(s) for s in (NP, CB, SM, RR, S)}
+    async_steps = expected.count(S) + expected.count(R)
+    assert stats["async_steps"] == async_steps
+    assert stats["sync_fallback_steps"] == len(expected) - async_steps
+    assert stats["state_counts"] == {s: expected.count(s) for s in PATHS}
     assert [len(o.output_token_ids) for o in outputs] == [r.sampling_params.max_tokens for r in requests]

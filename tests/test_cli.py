@@ -122,6 +122,7 @@ def test_every_generate_flag_in_help_is_accepted(tmp_path, capsys):
         "--prompts": None, "--output": None,  # filled in by generate()
         "--model": ["tiny-llama"], "--device": ["cpu-inprocess"], "--dtype": ["float64"],
         "--async-scheduling": [], "--no-async-scheduling": [],  # one per run below
+        "--async-relay": [], "--no-async-relay": [],  # one per run below
         "--max-num-seqs": ["4"], "--max-model-len": ["128"], "--kv-cache-memory-gb": ["1"],
         "--max-num-batched-tokens": ["32"],
         "--decode-buckets": ["1,2,4,8"], "--prefill-buckets": ["16,32"], "--seed": ["3"],
@@ -134,8 +135,8 @@ def test_every_generate_flag_in_help_is_accepted(tmp_path, capsys):
         {"request_id": "fills", "prompt_token_ids": [7] * 120, "max_tokens": 50},  # 120 + 8 = max_model_len
         *({"prompt_token_ids": [3 + i] * (5 + 9 * i), "max_tokens": 6} for i in range(5)),  # > max_num_seqs
     ]
-    for mode in ("--async-scheduling", "--no-async-scheduling"):
-        results = generate(tmp_path, rows, *engine_args, mode, name=mode.strip("-"), top=("--verbose",))
+    for mode, relay in (("--async-scheduling", "--no-async-relay"), ("--no-async-scheduling", "--async-relay")):
+        results = generate(tmp_path, rows, *engine_args, mode, relay, name=mode.strip("-"), top=("--verbose",))
         assert all(r["finish_reason"] in ("length", "stop") for r in results)
         assert len(results[0]["output_token_ids"]) <= 8  # --max-model-len 128 reached the engine
         assert json.loads(stats.read_text())["async_scheduling"] is (mode == "--async-scheduling")

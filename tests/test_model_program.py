@@ -166,3 +166,45 @@ def test_model_spec_pickles_and_kv_cache_has_scratch_slot() -> None:
     program = build_step_program(spec)
     assert program.scratch_slot == 3
     assert program.kv_cache.k.shape == (4, 4, 16, 2, 32) and program.kv_cache.k.dtype == torch.float32
+
+
+def test_relay_builds_input_ids_from_the_previous_tokens_on_the_device() -> None:
+    """A relayed row computes on relay_tokens[relay_rows[b]] exactly as on the same id sent from the host;
+    the other rows of the step (here a prompt chunk and padding) keep their host ids."""
+    host, relayed = tiny("float64"), tiny("float64")
+    for program in (host, relayed):
+        generate_alone(program, prompt(5, 1), 1, slot=0)
+    rows = [RowStep((44,), 5, 0), RowStep(tuple(prompt(6, 2)), 0, 1)]
+    step = pack_step(rows, host.scratch_slot, num_rows=3)
+    poisoned = step["input_ids"].clone()
+    poisoned[0, 0] = -1  # POISON_TOKEN: the host does not have this token
+    previous = torch.tensor([7, 44, 0], dtype=torch.int32)  # the previous step's sampled tokens [P]
+    out = relayed(**dict(step, input_ids=poisoned), relay_tokens=previous,
+                  relay_rows=torch.tensor([1, -1, -1], dtype=torch.int32))  # fmt: skip
+    assert torch.equal(out, host(**step))
+
+
+@pytest.mark.parametrize(
+    "relay_rows,match",
+    [
+        ([3, -1, -1], "must lie in"),  # past the previous step's rows
+        ([-2, -1, -1], "must lie in"),
+        ([-1, 0, -1], "only a row of one token"),  # a prompt chunk is never relayed
+        ([-1, -1], "one per row"),
+    ],
+)
+def test_relay_rejects_a_malformed_row_map(relay_rows: list[int], match: str) -> None:
+    program = tiny()
+    step = pack_step([RowStep((44,), 5, 0), RowStep((5, 6, 7), 0, 1)], program.scratch_slot, num_rows=3)
+    with pytest.raises(ValueError, match=match):
+        program(**step, relay_tokens=torch.tensor([7, 44, 0], dtype=torch.int32),
+                relay_rows=torch.tensor(relay_rows, dtype=torch.int32))  # fmt: skip
+
+
+def test_relay_still_rejects_a_poisoned_row_it_does_not_relay() -> None:
+    program = tiny()
+    step = pack_step([RowStep((44,), 5, 0), RowStep((45,), 5, 1)], program.scratch_slot)
+    step["input_ids"][1, 0] = -1
+    with pytest.raises(ValueError, match="input_ids must lie in"):
+        program(**step, relay_tokens=torch.tensor([7, 44], dtype=torch.int32),
+                relay_rows=torch.tensor([1, -1], dtype=torch.int32))  # fmt: skip

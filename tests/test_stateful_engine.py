@@ -463,8 +463,12 @@ class EngineInProcess(EngineVsReference):
 
 
 # The in-process engine also runs under back-pressure: with a runtime queue of one program, every
-# enqueue of the two-deep pipeline waits for the device.
-ENGINE_EXTRA: dict[str, dict] = {"cpu": {}, "cpu-inprocess": {"runtime_queue_depth": 1}}
+# enqueue of the two-deep pipeline waits for the device. The device-process engine runs with the relay
+# (the default), the in-process one without it (the design's breaks, rebuilds and remaps).
+ENGINE_EXTRA: dict[str, dict] = {
+    "cpu": {"async_relay": True},
+    "cpu-inprocess": {"runtime_queue_depth": 1, "async_relay": False},
+}
 
 
 _SHARE = {"cpu": 0.5, "cpu-inprocess": 0.5}  # of the profile's max_examples

@@ -64,7 +64,7 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
         self.counts: Counter[str] = Counter()
         RUNS["examples"] += 1
 
-    def _observe(self, step: Step) -> sm.StepObservation:
+    def _observe(self, step: Step, relay: bool = False) -> sm.StepObservation:
         pending = self.pending
         return sm.StepObservation(
             has_pending=pending is not None,
@@ -75,10 +75,11 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
             pending_dtype=SAMPLED if pending else "",
             input_shape=step.input_shape,
             input_dtype=step.input_dtype,
+            relay=relay,
         )
 
-    def _step(self, dest: str, step: Step) -> None:
-        obs = self._observe(step)
+    def _step(self, dest: str, step: Step, relay: bool = False) -> None:
+        obs = self._observe(step, relay)
         note(f"step -> {dest}: {obs}")
         assert sm.decide(obs) == dest
         assert self.machine.begin_step(obs) == dest
@@ -89,10 +90,32 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
     # -- one rule per transition ------------------------------------------------------------------
 
     @precondition(lambda self: self.state == sm.IDLE)
-    @rule(req_ids=IDS, is_decode=st.booleans(), pad=st.integers(0, 3))
-    def step_to_NoPendingFuture(self, req_ids: tuple[str, ...], is_decode: bool, pad: int) -> None:
+    @rule(req_ids=IDS, is_decode=st.booleans(), pad=st.integers(0, 3), relay=st.booleans())
+    def step_to_NoPendingFuture(self, req_ids: tuple[str, ...], is_decode: bool, pad: int, relay: bool) -> None:
         """First step, or first after a drain: nothing pending, whatever the step looks like."""
-        self._step(sm.NO_PENDING_FUTURE, decode(req_ids, pad) if is_decode else prefill(req_ids))
+        self._step(sm.NO_PENDING_FUTURE, decode(req_ids, pad) if is_decode else prefill(req_ids), relay)
+
+    @precondition(lambda self: self.state == sm.REINSTATE)
+    @rule(data=st.data(), cause=st.sampled_from(["set", "prefill", "bucket", "dtype", "order"]))
+    def step_to_Relay(self, data: st.DataObject, cause: str) -> None:
+        """The relay on, and the future cannot be the input as it is: whatever the cause, it relays."""
+        prev = self.pending.req_ids
+        unused = [r for r in POOL if r not in prev]
+        curr = tuple(data.draw(st.permutations(prev), label="order"))
+        if cause == "set":  # a request leaves (condense() may move a row) or joins
+            curr = tuple(next_row_order(list(prev), frozenset(prev[-1:]), [] if len(prev) > 1 else unused[:1]))
+            step = decode(curr) if data.draw(st.booleans(), label="decode") else prefill(curr)
+        elif cause == "prefill":
+            step = prefill(curr)
+        elif cause == "bucket":
+            step = Step(curr, True, (self.pending.output_shape[0] + 1,))
+        elif cause == "dtype":
+            step = Step(curr, True, self.pending.output_shape, "torch.int64")
+        else:
+            step = Step(curr if curr != prev or len(prev) < 2 else prev[1:] + prev[:1], True, self.pending.output_shape)
+            if step.req_ids == prev:  # one row: no reorder possible, change the bucket instead
+                step = Step(prev, True, (self.pending.output_shape[0] + 1,))
+        self._step(sm.RELAY, step, relay=True)
 
     @precondition(lambda self: self.state == sm.REINSTATE)
     @rule(data=st.data(), is_decode=st.booleans(), pad=st.integers(0, 3))
@@ -136,10 +159,10 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
         self._step(sm.REORDER_REMAP, Step(curr, True, self.pending.output_shape))
 
     @precondition(lambda self: self.state == sm.REINSTATE)
-    @rule()
-    def step_to_Steady(self) -> None:
-        """Same set, same order, all decode, same shape and dtype: the future is the input."""
-        self._step(sm.STEADY, Step(self.pending.req_ids, True, self.pending.output_shape))
+    @rule(relay=st.booleans())
+    def step_to_Steady(self, relay: bool) -> None:
+        """Same set, same order, all decode, same shape and dtype: the future is the input (relay or not)."""
+        self._step(sm.STEADY, Step(self.pending.req_ids, True, self.pending.output_shape), relay)
 
     @precondition(lambda self: self.state in sm.PATH_STATES)
     @rule()
@@ -184,8 +207,8 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
             assert (self.state == sm.REINSTATE) == (self.pending is not None)
 
     @invariant()
-    def only_steady_counts_as_async(self) -> None:
-        assert self.machine.async_steps == self.counts[sm.STEADY]
+    def only_steady_and_relay_count_as_async(self) -> None:
+        assert self.machine.async_steps == self.counts[sm.STEADY] + self.counts[sm.RELAY]
         assert self.machine.async_steps + self.machine.sync_fallback_steps == sum(self.counts.values())
         assert self.machine.state_counts == {s: self.counts[s] for s in sm.PATH_STATES}
 

@@ -30,7 +30,10 @@ class StepProgram:
     Placement: weights and cache live on `device`. Host inputs arrive as host tensors and are checked
     there, then moved; input_ids may instead be a device tensor (the previous step's sampled tokens,
     in the vocab by construction), which is never read back: on a lazy device a check on a device
-    value is a blocking sync. On a compiled-graph device (XLA) every shape is part of the program, so
+    value is a blocking sync. The relay (optional `relay_tokens` and `relay_rows`) builds input ids on
+    the device instead: row b whose `relay_rows[b] >= 0` computes on the previous step's sampled
+    token `relay_tokens[relay_rows[b]]` (a future), every other row on its host ids.
+    On a compiled-graph device (XLA) every shape is part of the program, so
     attention reads the whole cache (`fixed_context`) instead of the step's longest prefix; the mask
     makes the extra positions contribute nothing.
     """
@@ -51,15 +54,17 @@ class StepProgram:
 
     def __call__(self, *, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: torch.Tensor,
                  slot_ids: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 seeds: torch.Tensor, output_index: torch.Tensor) -> torch.Tensor:
+                 seeds: torch.Tensor, output_index: torch.Tensor, relay_tokens: torch.Tensor | None = None,
+                 relay_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Sampled token ids, int32 `[B]`.
 
         input_ids, positions: int32 `[B]` (decode) or `[B, L]`; query_lens, slot_ids: int32 `[B]`;
         temperature: float32 `[B]` (0 = greedy); top_k: int32 `[B]` (0 = off); top_p: float32 `[B]`
-        (1.0 = off); seeds, output_index: int64 `[B]`.
+        (1.0 = off); seeds, output_index: int64 `[B]`; relay_tokens: integer `[P]`, the previous
+        step's sampled tokens (a future); relay_rows: int32 `[B]`, a row of relay_tokens or -1.
         """
         with self._no_autograd():
-            batch = self._prepare(input_ids, positions, query_lens, slot_ids)
+            batch = self._prepare(input_ids, positions, query_lens, slot_ids, relay_tokens, relay_rows)
             logits = self.model.forward(batch, self.kv_cache)  # [B, vocab]
             dev = self.device
             tokens = sample_tokens(logits, temperature=temperature.to(dev), top_k=top_k.to(dev),
@@ -79,7 +84,8 @@ class StepProgram:
         return torch.inference_mode() if self.device.type == "cpu" else torch.no_grad()
 
     def _prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: torch.Tensor,
-                 slot_ids: torch.Tensor) -> ForwardBatch:
+                 slot_ids: torch.Tensor, relay_tokens: torch.Tensor | None = None,
+                 relay_rows: torch.Tensor | None = None) -> ForwardBatch:
         if input_ids.dim() == 1:
             input_ids, positions = input_ids.unsqueeze(1), positions.unsqueeze(1)
         b, length = input_ids.shape
@@ -94,12 +100,21 @@ class StepProgram:
         # Padding tokens get id 0 and position 0 whatever the caller left there, so garbage in the
         # padding can neither index out of range nor widen the attended cache prefix.
         on_host = input_ids.device.type == "cpu"
-        host_ids = input_ids.long().masked_fill(~valid, 0) if on_host else None
+        relayed = self._relayed(relay_tokens, relay_rows, query_lens)  # [B] bool, on the host
+        # A relayed row's host id is a placeholder (POISON_TOKEN): the device supplies its token.
+        host_valid = valid if relayed is None else valid & ~relayed.unsqueeze(1)
+        host_ids = input_ids.long().masked_fill(~host_valid, 0) if on_host else None
         pos = positions.long().masked_fill(~valid, 0)
         self._check(host_ids, pos, query_lens, slot_ids, length)
         dev = self.device
         # Masked on the device in both cases, so a future input and a host input run one program.
-        ids = input_ids.to(dev).long().masked_fill(~valid.to(dev), 0)
+        ids = input_ids.to(dev).long().masked_fill(~host_valid.to(dev), 0)
+        if relayed is not None:
+            assert relay_tokens is not None and relay_rows is not None
+            # The relay: where(map >= 0, future[map], host ids), on the device. A relayed row is a
+            # decode row, so its one token is column 0. Never read back (a blocking sync on a lazy device).
+            gathered = relay_tokens.to(dev).long()[relay_rows.long().clamp(min=0).to(dev)]  # [B]
+            ids[:, 0] = torch.where(relayed.to(dev), gathered, ids[:, 0])
         return ForwardBatch(
             input_ids=ids,
             positions=pos.to(dev),
@@ -108,6 +123,25 @@ class StepProgram:
             last_index=(query_lens - 1).clamp(min=0).to(dev),
             context_len=self.spec.max_model_len if self.fixed_context else int(pos.max()) + 1,
         )
+
+    @staticmethod
+    def _relayed(relay_tokens: torch.Tensor | None, relay_rows: torch.Tensor | None,
+                 query_lens: torch.Tensor) -> torch.Tensor | None:
+        """The rows whose input token comes from `relay_tokens` (bool `[B]`), checked on the host."""
+        if relay_tokens is None and relay_rows is None:
+            return None
+        if relay_tokens is None or relay_rows is None:
+            raise ValueError("relay_tokens and relay_rows come together")
+        if relay_tokens.dim() != 1 or relay_rows.shape != query_lens.shape:
+            raise ValueError(f"relay inputs: relay_tokens {tuple(relay_tokens.shape)} must be 1-D and relay_rows "
+                             f"{tuple(relay_rows.shape)} one per row")
+        rows = relay_rows.long()
+        if bool(((rows < -1) | (rows >= relay_tokens.shape[0])).any()):
+            raise ValueError(f"relay_rows {rows.tolist()} must lie in [-1, {relay_tokens.shape[0]})")
+        relayed = rows >= 0
+        if bool((relayed & (query_lens != 1)).any()):
+            raise ValueError(f"relay_rows {rows.tolist()}: only a row of one token (a decode) is relayed")
+        return relayed
 
     def _check(self, ids: torch.Tensor | None, pos: torch.Tensor, query_lens: torch.Tensor, slot_ids: torch.Tensor,
                length: int) -> None:

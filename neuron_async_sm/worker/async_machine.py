@@ -11,8 +11,13 @@ Between steps the machine rests in one of two states:
   output in the async execution buffer.
 `step` picks the path of the next step from the step's observations; `reinstate` ends every step.
 
-Path states (each forward step takes exactly one; only Steady counts as an async step):
+Path states (each forward step takes exactly one; Steady and Relay count as async steps):
 - NoPendingFuture: nothing pending, CPU-built inputs are correct as they are.
+- Relay (the relay on): the future cannot be the input as it is (the set, the order or the shape
+  changed), so the program builds its input ids on the device: each row takes the future's row that
+  sampled its newest token, by request id, or its CPU-built id (a prompt chunk, a token the host
+  has). Nothing is materialized, nothing crosses to the host. With the relay off, the three
+  fallbacks below take these steps.
 - CompositionBreak: the scheduled request set differs from the set that produced the future:
   materialize the pending output *before* the batch state changes, then build inputs on the CPU.
 - ShapeMismatchRebuild: same set, but the future cannot be the input (shape or dtype differs from the
@@ -43,10 +48,11 @@ COMPOSITION_BREAK = "CompositionBreak"
 SHAPE_MISMATCH_REBUILD = "ShapeMismatchRebuild"
 REORDER_REMAP = "ReorderRemap"
 STEADY = "Steady"
+RELAY = "Relay"
 
-PATH_STATES = (NO_PENDING_FUTURE, COMPOSITION_BREAK, SHAPE_MISMATCH_REBUILD, REORDER_REMAP, STEADY)
+PATH_STATES = (NO_PENDING_FUTURE, RELAY, COMPOSITION_BREAK, SHAPE_MISMATCH_REBUILD, REORDER_REMAP, STEADY)
 STATES = (IDLE, *PATH_STATES, REINSTATE)
-ASYNC_STATES = frozenset({STEADY})  # Steady and only Steady is an async step
+ASYNC_STATES = frozenset({STEADY, RELAY})  # no host round trip: the main thread never waits on the future
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,7 @@ class StepObservation:
     pending_dtype: str
     input_shape: tuple[int, ...]  # shape of this step's padded input_ids
     input_dtype: str
+    relay: bool = False  # the engine relays (EngineConfig.async_relay): Relay replaces the fallbacks
 
 
 # Predicates over one observation. Each is named for the situation it detects.
@@ -81,7 +88,14 @@ def order_changed(obs: StepObservation) -> bool:
     return obs.prev_req_ids != obs.curr_req_ids
 
 
+def relay_covers(obs: StepObservation) -> bool:
+    # The future cannot be the input as it is, and the engine relays. The spec (RelayFrom) shows
+    # every row is then covered: a row's newest token is in this future or already on the host.
+    return obs.relay and (composition_changed(obs) or shape_mismatch(obs) or order_changed(obs))
+
+
 CONDITIONS: dict[str, Callable[[StepObservation], bool]] = {
+    "relay_covers": relay_covers,
     "composition_changed": composition_changed,
     "shape_mismatch": shape_mismatch,
     "order_changed": order_changed,
@@ -90,6 +104,7 @@ CONDITIONS: dict[str, Callable[[StepObservation], bool]] = {
 # The transition table. For one trigger and source, the first row whose condition holds wins.
 TRANSITIONS: tuple[dict, ...] = (
     {"trigger": "step", "source": IDLE, "dest": NO_PENDING_FUTURE},
+    {"trigger": "step", "source": REINSTATE, "dest": RELAY, "conditions": "relay_covers"},
     {"trigger": "step", "source": REINSTATE, "dest": COMPOSITION_BREAK, "conditions": "composition_changed"},
     {"trigger": "step", "source": REINSTATE, "dest": SHAPE_MISMATCH_REBUILD, "conditions": "shape_mismatch"},
     {"trigger": "step", "source": REINSTATE, "dest": REORDER_REMAP, "conditions": "order_changed"},
@@ -106,6 +121,8 @@ class InputSource(Enum):
     CPU = "cpu"  # built on the host from the CPU token state (prefill rows: always their prompt)
     FUTURE = "future"  # the pending sampled-token future as it is: device to device, no host round trip
     REMAPPED_FUTURE = "remapped_future"  # the future's real rows gathered into this step's row order
+    # built on the device: where(map >= 0, future[map], CPU-built ids), map by request id
+    RELAYED_FUTURE = "relayed_future"
 
 
 @dataclass(frozen=True)
@@ -125,6 +142,9 @@ PLANS: Mapping[str, StepPlan] = MappingProxyType({
     # Hazard: token ownership after condense(). The future's rows must follow their requests.
     REORDER_REMAP:          StepPlan(materialize_first=False, input_source=InputSource.REMAPPED_FUTURE),
     STEADY:                 StepPlan(materialize_first=False, input_source=InputSource.FUTURE),
+    # Hazard: stale input ids and token ownership. Only rows whose newest token this future holds
+    # are mapped, by request id; every other row's CPU-built id is already correct.
+    RELAY:                  StepPlan(materialize_first=False, input_source=InputSource.RELAYED_FUTURE),
 })  # fmt: skip
 
 
@@ -162,6 +182,9 @@ class AsyncStepMachine:
         )
 
     # Conditions used by the machine: the same predicates as decide().
+    def relay_covers(self, event) -> bool:
+        return relay_covers(event.kwargs["obs"])
+
     def composition_changed(self, event) -> bool:
         return composition_changed(event.kwargs["obs"])
 

@@ -79,6 +79,7 @@ class ModelRunner:
         self._step_id = -1
         self._step_req_ids: tuple[str, ...] = ()
         self._step_new: list[NewRequestData] = []  # requests this step adds to the batch, in admission order
+        self._step_relay: list[int] = []  # the relay's row map of this step (empty unless it relayed)
         if tracer.enabled:  # the trace's header: the constants a trace checker needs (model_check/)
             tracer.event(
                 "config",
@@ -86,6 +87,7 @@ class ModelRunner:
                 max_model_len=config.max_model_len,
                 decode_buckets=list(config.decode_buckets),
                 async_scheduling=config.async_scheduling,
+                async_relay=config.async_relay,
             )
 
     # -- the step -----------------------------------------------------------------------------------
@@ -93,6 +95,7 @@ class ModelRunner:
     def execute_model(self, scheduled: SchedulerOutput) -> None:
         """Update states, prepare inputs, enqueue the program. Sync mode blocks on its output."""
         self._step_id = scheduled.step_id
+        self._step_relay = []
         path = self._begin_async_step(scheduled) if self.use_async_scheduling else None
         plan = SYNC_PLAN if path is None else sm.PLANS[path]
         if plan.materialize_first:
@@ -103,10 +106,10 @@ class ModelRunner:
         model_input = self._prepare_model_input(scheduled)
         if path is not None:
             assert model_input.req_ids == self._step_req_ids, "row order differs from the observed order"
-        input_ids = self._async_input_ids(plan.input_source, model_input)
+        inputs = model_input.program_inputs() | self._future_inputs(plan.input_source, model_input)
         if self.config.on_device_sampling:
             out = TensorSpec((model_input.num_rows,), SAMPLED_DTYPE)
-            future = self.runtime.enqueue(STEP_PROGRAM, model_input.program_inputs(input_ids), out)
+            future = self.runtime.enqueue(STEP_PROGRAM, inputs, out)
         else:  # sync mode only (config validation): the program returns logits
             out = TensorSpec((model_input.num_rows, self.vocab_size), logits_dtype(self.config.dtype))
             future = self.runtime.enqueue(LOGITS_PROGRAM, model_input.forward_inputs(), out)
@@ -149,18 +152,42 @@ class ModelRunner:
             pending_dtype=str(buffer.future.dtype) if buffer else "",
             input_shape=padded_input_shape(self.config, scheduled),
             input_dtype=str(SAMPLED_DTYPE),
+            relay=self.config.async_relay,
         )
         return self.machine.begin_step(obs)
 
-    def _async_input_ids(self, source: sm.InputSource, model_input: ModelInput) -> DeviceFuture | torch.Tensor | None:
-        """The input_ids the plan's input source calls for; None means the CPU-built ones."""
+    def _future_inputs(self, source: sm.InputSource, model_input: ModelInput) -> dict[str, object]:
+        """The program inputs the plan's input source replaces or adds; none for CPU-built inputs."""
         if source is sm.InputSource.CPU:
-            return None
+            return {}
         assert self.buffer is not None, "the machine plans a future input only when one is pending"
         if source is sm.InputSource.FUTURE:
             # Device-to-device feed: the previous step's sampled tokens are this step's input ids.
-            return self.buffer.future
-        return self._remap_pending(model_input)  # InputSource.REMAPPED_FUTURE
+            return {"input_ids": self.buffer.future}
+        if source is sm.InputSource.RELAYED_FUTURE:
+            # The future is an ordinary program input, as in Steady; the program gathers from it.
+            self._step_relay = self._relay_rows(model_input)
+            return {"relay_tokens": self.buffer.future, "relay_rows": torch.tensor(self._step_relay, dtype=torch.int32)}
+        return {"input_ids": self._remap_pending(model_input)}  # InputSource.REMAPPED_FUTURE
+
+    def _relay_rows(self, model_input: ModelInput) -> list[int]:
+        """The relay's row map: for each row (padding included), the pending future's row that sampled
+        the token this row computes on, or -1 to keep the CPU-built id.
+
+        Hazard: token ownership. Matched by request id, never by row: rows move and leave between steps.
+        Hazard: stale input ids. Matched only where the pending step sampled this row's first position,
+        so a prompt chunk after a cut chunk (which sampled nothing) keeps its prompt; any other row's
+        token is on the host already (its step was applied before this one was scheduled).
+        """
+        assert self.buffer is not None
+        snapshot = self.buffer.output.snapshot
+        owners = zip(snapshot.req_ids, snapshot.sample_positions, strict=True)
+        sampled = {(req_id, p): j for j, (req_id, p) in enumerate(owners) if p is not None}  # (id, position) -> row
+        first = (model_input.positions if model_input.is_decode else model_input.positions[:, 0]).tolist()  # [B]
+        rows = [-1] * model_input.num_rows
+        for i, req_id in enumerate(model_input.req_ids):
+            rows[i] = sampled.get((req_id, first[i]), -1)
+        return rows
 
     def _remap_pending(self, model_input: ModelInput) -> torch.Tensor:
         """Permute the future's real rows into the current order; padding rows stay where they are.
@@ -212,6 +239,7 @@ class ModelRunner:
                 state=dest,
                 req_ids=list(self._step_req_ids),
                 new=[n.request_id for n in self._step_new],
+                relay_from=list(self._step_relay),  # the relay's row map (reinstate after a Relay)
                 # per new request: the outputs it may have (max_tokens, capped by max_model_len)
                 max_tokens=[
                     min(n.sampling_params.max_tokens, self.config.max_model_len - len(n.prompt_token_ids))
