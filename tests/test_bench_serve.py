@@ -14,7 +14,7 @@ import statistics
 import pytest
 
 from neuron_async_sm.bench.serve_command import engine_argv
-from neuron_async_sm.bench.serving import RequestRecord, arrival_offsets, summarize
+from neuron_async_sm.bench.serving import RequestRecord, arrival_offsets, mode_order, summarize
 from neuron_async_sm.cli import build_parser, main
 
 PROMPTS, INPUT_LEN, OUTPUT_LEN = 3, 8, 6
@@ -84,6 +84,14 @@ def test_latencies_are_ordered_as_their_definitions_require(report: dict) -> Non
             assert run["duration_s"] >= run["arrival_span_s"] > 0
         else:
             assert run["arrival_span_s"] == 0
+
+
+@pytest.mark.parametrize("num_rates", [1, 2, 3, 4])
+def test_every_rate_runs_each_mode_first_equally_often(num_rates: int) -> None:
+    for rate in range(num_rates):
+        firsts = [mode_order(["sync", "async"], rep, rate)[0] for rep in range(4)]
+        assert firsts.count("sync") == firsts.count("async") == 2, (rate, firsts)
+    assert [mode_order(["sync", "async"], 0, i)[0] for i in range(2)] == ["sync", "async"]  # ABBA within a sweep
 
 
 def test_summary_follows_the_definitions() -> None:

@@ -204,10 +204,18 @@ class Target:
     other_pids: tuple[int, ...] = ()  # the server's processes: left out of `other_cpu`
 
 
+def mode_order(targets: Sequence[Target], repetition: int, rate_index: int) -> list[Target]:
+    """The targets in the order cell (repetition, rate_index) runs them: flipped from one rate to the
+    next and from one repetition to the next, so every rate sees each target first equally often
+    (flipping by a running cell count would not: with an even number of rates, each rate would keep
+    one order in every repetition)."""
+    return list(targets) if (repetition + rate_index) % 2 == 0 else list(reversed(targets))
+
+
 async def run_cells(targets: Sequence[Target], rates: Sequence[float], spec: LoadSpec, *, repetitions: int,
                     seed: int, progress: Callable[[str], None], quiet: Callable[[], Awaitable[float]],
                     other_load: Callable[[Sequence[int]], Callable[[], float]]) -> list[dict]:  # fmt: skip
-    """Every (repetition, rate) cell once per target, the targets' order flipped cell by cell (ABBA...).
+    """Every (repetition, rate) cell once per target, in `mode_order` (ABBA...).
 
     Both targets of a cell get the same prompts and arrival times (seeded by repetition and rate), so
     a cell is a paired comparison; repetitions draw new ones. `await quiet()` may wait for a quiet machine
@@ -221,7 +229,7 @@ async def run_cells(targets: Sequence[Target], rates: Sequence[float], spec: Loa
             cell_seed = seed + 1000 * rep + i
             prompts = make_prompts(spec, cell_seed)
             offsets = arrival_offsets(spec.num_prompts, rate, spec.burstiness, cell_seed)
-            order = list(targets) if cell % 2 == 0 else list(reversed(targets))
+            order = mode_order(targets, rep, i)
             before = await quiet()
             for target in order:
                 share = other_load(target.other_pids)
