@@ -77,6 +77,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-cpu", default="auto", type=_device_cpu,
                    help="CPU the device process owns: auto (the last CPU), none (no pinning) or a number")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--async-relay", action=argparse.BooleanOptionalAction, default=True,
+                   help="the async engine relays the sampled-token future across batch changes")  # fmt: skip
     p.add_argument("--max-other-cpu", type=float, default=None, metavar="SHARE",
                    help="shared machine: redo a sync/async pair if other processes used more than this share "
                         "of the CPUs during it (e.g. 0.1)")  # fmt: skip
@@ -176,7 +178,8 @@ def _compare_section(args: argparse.Namespace, show: bool) -> dict:
     workload = build_workload(args.workload, num_requests=num_requests, output_tokens=args.output_tokens,
                               seed=args.seed, vocab_size=vocab_size)  # fmt: skip
     config = {**batch_config(max_num_seqs), "device_time_ms": args.device_time_ms,
-              "device_threads": args.device_threads, "device_cpu": args.device_cpu, "seed": args.seed}  # fmt: skip
+              "device_threads": args.device_threads, "device_cpu": args.device_cpu, "seed": args.seed,
+              "async_relay": args.async_relay}  # fmt: skip
     advance, close = _progress_bar(show, 2 * (args.warmup + args.repetitions), f"bench {args.workload}")
     try:
         result = compare_modes(args.model, workload, repetitions=args.repetitions, warmup=args.warmup,

@@ -188,7 +188,7 @@ class ModeComparison:
             "sync": self.sync,
             "async": self.async_,
             **self.comparison,
-            # Over every recorded async run: Steady steps / all steps, and the steps per path state.
+            # Over every recorded async run: async (Steady and Relay) steps / all steps, and the steps per path state.
             "async_step_fraction": sum(counts[s] for s in ASYNC_STATES) / self.async_["steps_total"],
             "state_counts": counts,
             "runs": self.runs,
