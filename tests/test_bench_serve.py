@@ -59,6 +59,13 @@ def test_counts_add_up(report: dict) -> None:
         assert 0 < run["itl_count"] <= run["completed"] * (OUTPUT_LEN - 1)
         assert run["request_throughput"] == pytest.approx(run["completed"] / run["duration_s"])
         assert run["output_throughput"] == pytest.approx(run["output_tokens"] / run["duration_s"])
+        steps = run["server"]["steps"]  # the server's own count of this run's forward steps
+        if run["mode"] == "sync":
+            assert set(steps) == {"Sync"} and run["server"]["async_step_fraction"] is None  # NaN -> null
+        else:
+            assert "Sync" not in steps and 0.0 <= run["server"]["async_step_fraction"] <= 1.0
+        # this run's steps only: each samples 1 to max_num_seqs = 2 tokens (prompts fit one prefill chunk)
+        assert run["output_tokens"] / 2 <= sum(steps.values()) <= run["output_tokens"], steps
     for mode, rows in report["results"].items():
         assert [r["rate_label"] for r in rows] == RATES
         for row in rows:

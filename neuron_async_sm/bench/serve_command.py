@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -28,6 +29,8 @@ from neuron_async_sm.bench.serving import LATENCIES, LoadSpec, Target, aggregate
 NOT_FORWARDED = ("async_scheduling", "trace", "stats", "no_progress")  # per mode, or no meaning for a server
 START_TIMEOUT_S = 180.0  # a server that has not answered /health by then failed to start
 STOP_TIMEOUT_S = 30.0  # SIGTERM, then SIGKILL after this long
+IDLE_SAMPLES = {"neuron_async_sm_device_idle_seconds_sum": "device_idle_sum",
+                "neuron_async_sm_device_idle_seconds_count": "device_idle_count"}  # fmt: skip
 
 SERVE_BENCH_HELP = """Benchmark a server under Poisson arrivals at a sweep of request rates (vLLM's `bench serve`).
 
@@ -143,6 +146,24 @@ class ServerProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def server_counters(base_url: str) -> dict[str, float]:
+    """Steps by path state and the device-idle histogram's sum and count from the server's /metrics
+    ("steps:Steady", ..., "device_idle_sum", "device_idle_count"); {} when it answers none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = _get(base_url + "/metrics", timeout_s=10)
+    if status != 200:
+        return {}
+    out = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            if sample.name == "neuron_async_sm_steps_total":
+                out[f"steps:{sample.labels['state']}"] = sample.value
+            elif sample.name in IDLE_SAMPLES:
+                out[IDLE_SAMPLES[sample.name]] = sample.value
+    return out
+
+
 def _served_model(base_url: str) -> str:
     status, body = _get(base_url.rstrip("/") + "/v1/models", timeout_s=10)
     if status != 200:
@@ -231,8 +252,8 @@ async def _drive(endpoints: list[tuple[str, str, str, tuple[int, ...]]], args: a
 
     clients = [openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
                                   timeout=spec.request_timeout_s) for _, url, _, _ in endpoints]  # fmt: skip
-    targets = [Target(name, client, model, pids)
-               for (name, _, model, pids), client in zip(endpoints, clients, strict=True)]  # fmt: skip
+    targets = [Target(name, client, model, pids, functools.partial(server_counters, url))
+               for (name, url, model, pids), client in zip(endpoints, clients, strict=True)]  # fmt: skip
     loop = asyncio.get_running_loop()
 
     async def quiet() -> float:  # the wait runs on a thread: the loop has nothing in flight between cells

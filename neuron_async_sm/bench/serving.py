@@ -202,6 +202,22 @@ class Target:
     client: object  # openai.AsyncOpenAI on base_url + /v1
     model: str  # the served model name requests carry
     other_pids: tuple[int, ...] = ()  # the server's processes: left out of `other_cpu`
+    # The server's own counters (steps by path state, device idle), read before and after each run;
+    # {} where /metrics has none. Blocking: called only between runs, when nothing is in flight.
+    counters: Callable[[], dict[str, float]] = dict
+
+
+def server_side(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What the server counted during one run: steps by path state, Steady share, device idle per step."""
+    steps = {k.split(":", 1)[1]: after[k] - before.get(k, 0.0) for k in after if k.startswith("steps:")}
+    total = sum(steps.values())
+    idle_n = after.get("device_idle_count", 0.0) - before.get("device_idle_count", 0.0)
+    idle_s = after.get("device_idle_sum", 0.0) - before.get("device_idle_sum", 0.0)
+    return {
+        "steps": {k: int(v) for k, v in steps.items() if v},
+        "async_step_fraction": steps.get("Steady", 0.0) / total if total and "Sync" not in steps else math.nan,
+        "device_idle_ms_per_step": idle_s / idle_n * 1e3 if idle_n else math.nan,
+    }
 
 
 def mode_order(targets: Sequence[Target], repetition: int, rate_index: int) -> list[Target]:
@@ -232,12 +248,13 @@ async def run_cells(targets: Sequence[Target], rates: Sequence[float], spec: Loa
             order = mode_order(targets, rep, i)
             before = await quiet()
             for target in order:
-                share = other_load(target.other_pids)
+                share, counted = other_load(target.other_pids), target.counters()
                 records, duration = await run_load(target.client, target.model, prompts, offsets, spec)
+                server = server_side(counted, target.counters())
                 run = {"mode": target.name, "request_rate": None if math.isinf(rate) else rate,
                        "rate_label": rate_label(rate), "repetition": rep, "cell": cell,
                        "arrival_span_s": offsets[-1], "other_cpu_before": before, "other_cpu": share(),
-                       **summarize(records, duration, spec.input_len)}  # fmt: skip
+                       **summarize(records, duration, spec.input_len), "server": server}  # fmt: skip
                 runs.append(run)
                 progress(f"{target.name} @ {run['rate_label']}/s: {run['completed']} ok, {run['failed']} failed")
             cell += 1
@@ -268,8 +285,17 @@ def aggregate(runs: Sequence[dict], modes: Sequence[str], rates: Sequence[float]
                 elif key == "errors":
                     row[key] = dict(sum((Counter(r[key]) for r in mine), Counter()))
                 elif isinstance(value, float) and key not in row:
-                    finite = [r[key] for r in mine if r[key] is not None and math.isfinite(r[key])]
-                    row[key] = statistics.median(finite) if finite else math.nan
+                    row[key] = _median([r[key] for r in mine])
+                elif key == "server":
+                    steps = sum((Counter(r["server"]["steps"]) for r in mine), Counter())
+                    row[key] = {"steps": dict(steps)}
+                    for name in ("async_step_fraction", "device_idle_ms_per_step"):
+                        row[key][name] = _median([r["server"][name] for r in mine])
             rows.append(row)
         out[mode] = rows
     return out
+
+
+def _median(values: Sequence[float | None]) -> float:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.median(finite) if finite else math.nan
