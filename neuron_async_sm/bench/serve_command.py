@@ -254,10 +254,18 @@ async def _drive(endpoints: list[tuple[str, str, str, tuple[int, ...]]], args: a
                                   timeout=spec.request_timeout_s) for _, url, _, _ in endpoints]  # fmt: skip
     targets = [Target(name, client, model, pids, functools.partial(server_counters, url))
                for (name, url, model, pids), client in zip(endpoints, clients, strict=True)]  # fmt: skip
-    loop = asyncio.get_running_loop()
-
-    async def quiet() -> float:  # the wait runs on a thread: the loop has nothing in flight between cells
-        return await loop.run_in_executor(None, OtherLoad.wait_for_quiet, args.max_other_cpu)
+    async def quiet(window_s: float = 1.0, timeout_s: float = 120.0) -> float:
+        """OtherLoad.wait_for_quiet, awaiting its windows: Ctrl-C cancels the run at once (asyncio.run's
+        SIGINT cancels the task, which a blocking wait, or one on an executor thread, would sit out)."""
+        if args.max_other_cpu is None:
+            return math.nan
+        deadline = time.perf_counter() + timeout_s
+        while True:
+            probe = OtherLoad([])
+            await asyncio.sleep(window_s)
+            share = probe.share()
+            if not share > args.max_other_cpu or time.perf_counter() > deadline:  # NaN (no /proc): do not wait
+                return share
 
     def other_load(pids: tuple[int, ...]):
         return OtherLoad([os.getpid(), *pids]).share
