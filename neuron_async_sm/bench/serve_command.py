@@ -29,8 +29,6 @@ from neuron_async_sm.bench.serving import LATENCIES, LoadSpec, Target, aggregate
 NOT_FORWARDED = ("async_scheduling", "trace", "stats", "no_progress")  # per mode, or no meaning for a server
 START_TIMEOUT_S = 180.0  # a server that has not answered /health by then failed to start
 STOP_TIMEOUT_S = 30.0  # SIGTERM, then SIGKILL after this long
-IDLE_SAMPLES = {"neuron_async_sm_device_idle_seconds_sum": "device_idle_sum",
-                "neuron_async_sm_device_idle_seconds_count": "device_idle_count"}  # fmt: skip
 
 SERVE_BENCH_HELP = """Benchmark a server under Poisson arrivals at a sweep of request rates (vLLM's `bench serve`).
 
@@ -147,8 +145,7 @@ class ServerProcess:
 
 
 def server_counters(base_url: str) -> dict[str, float]:
-    """Steps by path state and the device-idle histogram's sum and count from the server's /metrics
-    ("steps:Steady", ..., "device_idle_sum", "device_idle_count"); {} when it answers none."""
+    """Steps by path state from the server's /metrics ("steps:Steady", "steps:Sync", ...); {} if none."""
     from prometheus_client.parser import text_string_to_metric_families
 
     status, body = _get(base_url + "/metrics", timeout_s=10)
@@ -159,8 +156,6 @@ def server_counters(base_url: str) -> dict[str, float]:
         for sample in family.samples:
             if sample.name == "neuron_async_sm_steps_total":
                 out[f"steps:{sample.labels['state']}"] = sample.value
-            elif sample.name in IDLE_SAMPLES:
-                out[IDLE_SAMPLES[sample.name]] = sample.value
     return out
 
 

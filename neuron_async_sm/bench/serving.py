@@ -202,21 +202,21 @@ class Target:
     client: object  # openai.AsyncOpenAI on base_url + /v1
     model: str  # the served model name requests carry
     other_pids: tuple[int, ...] = ()  # the server's processes: left out of `other_cpu`
-    # The server's own counters (steps by path state, device idle), read before and after each run;
+    # The server's own counters (steps by path state), read before and after each run;
     # {} where /metrics has none. Blocking: called only between runs, when nothing is in flight.
     counters: Callable[[], dict[str, float]] = dict
 
 
 def server_side(before: dict[str, float], after: dict[str, float]) -> dict:
-    """What the server counted during one run: steps by path state, Steady share, device idle per step."""
+    """What the server counted during one run: steps by path state and the Steady share.
+
+    Not the device's idle time: its histogram's sum over a run includes the idle gap before the run's
+    first program (the other server's run, in an alternating cell), which swamps the rest."""
     steps = {k.split(":", 1)[1]: after[k] - before.get(k, 0.0) for k in after if k.startswith("steps:")}
     total = sum(steps.values())
-    idle_n = after.get("device_idle_count", 0.0) - before.get("device_idle_count", 0.0)
-    idle_s = after.get("device_idle_sum", 0.0) - before.get("device_idle_sum", 0.0)
     return {
         "steps": {k: int(v) for k, v in steps.items() if v},
         "async_step_fraction": steps.get("Steady", 0.0) / total if total and "Sync" not in steps else math.nan,
-        "device_idle_ms_per_step": idle_s / idle_n * 1e3 if idle_n else math.nan,
     }
 
 
@@ -289,8 +289,7 @@ def aggregate(runs: Sequence[dict], modes: Sequence[str], rates: Sequence[float]
                 elif key == "server":
                     steps = sum((Counter(r["server"]["steps"]) for r in mine), Counter())
                     row[key] = {"steps": dict(steps)}
-                    for name in ("async_step_fraction", "device_idle_ms_per_step"):
-                        row[key][name] = _median([r["server"][name] for r in mine])
+                    row[key]["async_step_fraction"] = _median([r["server"]["async_step_fraction"] for r in mine])
             rows.append(row)
         out[mode] = rows
     return out
