@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 from tlc import PARALLEL_RUNS
-from trace_check import TraceVerdict, check_trace, read_trace
+from trace_check import POISON_TOKEN, TraceVerdict, check_trace, engine_threads, read_trace
 from workloads import drive, random_workload
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.worker import async_machine as sm
-from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput
+from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput, StepSnapshot
+from neuron_async_sm.worker.model_runner import ModelRunner
 
 ENGINE = dict(
     dtype="float64",
@@ -77,7 +78,8 @@ def test_recorded_traces_cover_every_path_both_threads_and_every_finish(recorded
         threads.update(e["thread"] for e in events if e["event"] == "Materialize")
         finishes.update(finish.values())
     assert set(paths) == set(sm.PATH_STATES), paths
-    assert threads["MainThread"] and threads["async-output"], threads
+    engine, output = engine_threads(events)
+    assert threads[engine] and threads[output], threads
     assert finishes["stop"] and finishes["length"] and finishes["abort"], finishes
 
 
@@ -112,6 +114,79 @@ def test_a_relay_whose_row_map_is_corrupted_is_rejected_at_that_step(recorded):
     verdict = check_trace(wrong)
     assert not verdict.accepted
     assert verdict.rejected_event == wrong[i], verdict.describe()
+
+
+def _host_input(events: list[dict], *, decode_only: bool = True) -> tuple[int, int]:
+    """(event index, row) of the first CPU-built decode input of a reinstate after its request's
+    token was materialized: the row the corrupted traces below change."""
+    for i, e in enumerate(events):
+        if e["event"] == "reinstate":
+            for k, row in enumerate(e["inputs"]):
+                if row[0] == "host" and row[1] != POISON_TOKEN:
+                    return i, k
+    raise AssertionError("no CPU-built decode input in the trace")
+
+
+def test_a_trace_whose_input_is_another_requests_token_fails_token_ownership(recorded):
+    """The engine logs each row's input id. A CPU-built id that is not the token materialized for
+    this request at that position (a write-back to the wrong request shows up so) breaks ownership."""
+    events, _ = recorded[SEEDS[0], False]
+    i, k = _host_input(events)
+    wrong = [dict(e) for e in events]
+    others = [t for e in events if e["event"] == "Materialize" for t in e.get("tokens", [])]
+    wrong[i]["inputs"] = [list(row) for row in events[i]["inputs"]]
+    wrong[i]["inputs"][k][1] = next(t for t in others if t != events[i]["inputs"][k][1])
+    verdict = check_trace(wrong)
+    print(verdict.describe())
+    assert verdict.violated_invariant == "TokenOwnershipInv", verdict.describe()
+    assert verdict.rejected_event == wrong[i], verdict.describe()
+
+
+def test_a_trace_with_a_stale_input_fails_no_stale_input(recorded):
+    """A CPU-built id that is POISON_TOKEN (its token still only in a future) is a stale input."""
+    events, _ = recorded[SEEDS[0], False]
+    i, k = _host_input(events)
+    wrong = [dict(e) for e in events]
+    wrong[i]["inputs"] = [list(row) for row in events[i]["inputs"]]
+    wrong[i]["inputs"][k][1] = POISON_TOKEN
+    verdict = check_trace(wrong)
+    print(verdict.describe())
+    assert verdict.violated_invariant == "NoStaleInputInv", verdict.describe()
+    assert verdict.rejected_event == wrong[i], verdict.describe()
+
+
+def test_a_trace_whose_counters_differ_from_the_spec_fails_engine_counters(recorded):
+    """CounterInv on a real run: the machine's counters as the engine logged them are the spec's."""
+    events, _ = recorded[SEEDS[0], False]
+    i = next(i for i, e in enumerate(events) if e["event"] == "reinstate" and e["source"] == sm.COMPOSITION_BREAK)
+    wrong = [dict(e) for e in events]
+    wrong[i]["counters"] = [events[i]["counters"][0] + 1, events[i]["counters"][1] - 1]  # a break counted async
+    verdict = check_trace(wrong)
+    assert verdict.violated_invariant == "EngineCountersInv", verdict.describe()
+    assert verdict.rejected_event == wrong[i], verdict.describe()
+
+
+def test_trace_of_an_engine_writing_back_by_current_row_fails_an_invariant(tlc_available, tmp_path, monkeypatch):
+    """A held-out mutant, run for real: the write-back addresses rows by their current order, not by
+    the snapshot. Its trace is rejected by an invariant on the first input that reads a misplaced token."""
+    write_back = ModelRunner._write_back
+
+    def by_current_row(self, snapshot, tokens):  # the mutant
+        rows = tuple(self.batch.req_ids)[: len(snapshot.req_ids)]
+        owners = rows + snapshot.req_ids[len(rows) :]
+        write_back(self, StepSnapshot(snapshot.step_id, owners, snapshot.sample_positions), tokens)
+
+    monkeypatch.setattr(ModelRunner, "_write_back", by_current_row)
+    for seed in SEEDS:
+        events, _ = record(tmp_path / f"by-row{seed}.ndjson", seed, async_relay=False)
+        verdict = check_trace(events)
+        if not verdict.accepted:
+            break
+    else:
+        pytest.fail("no run of the mutant was rejected")
+    print(f"mutant, seed {seed}: {verdict.describe()}")
+    assert verdict.violated_invariant in ("TokenOwnershipInv", "NoStaleInputInv"), verdict.describe()
+    assert verdict.rejected_event["event"] == "reinstate", verdict.describe()
 
 
 def test_trace_of_an_engine_killed_by_a_failing_program_is_a_behaviour_of_the_spec(tlc_available, tmp_path):

@@ -406,25 +406,32 @@ RelayFrom(c, prev) ==
 (* reinstate: update the batch, build inputs as the path says, enqueue the   *)
 (* program, snapshot the row owners, refill the async buffer.                *)
 
+\* Row j of the previous step's future: the token it sampled, or nothing (Poison).
+FutureRow(prev, j) == IF j \in DOMAIN prev.rows /\ prev.outIdx[j] > 0 THEN prev.result[j] ELSE Poison
+
+\* The input id each row of step c computes on, as the path's plan builds it. (Trace validation
+\* overrides it with the inputs the engine logged, so that the invariants judge the real ones.)
+StepInputs(c, prev) ==
+    LET relay == RelayFrom(c, prev)
+        Input(i) ==
+            LET r == c.curr[i] IN
+            \* Built on the device: where(map >= 0, future[map], host ids).
+            IF InputSource(c.path) = "relayed_future" /\ relay[i] > 0 THEN FutureRow(prev, relay[i])
+            ELSE IF r \notin c.decode THEN Prompt
+            \* Device-to-device: the future is the input.
+            ELSE IF InputSource(c.path) = "future" THEN FutureRow(prev, i)
+            \* Hazard: token ownership after condense(). Row i must get curr[i]'s token, not prev[i]'s.
+            ELSE IF InputSource(c.path) = "remapped_future" THEN FutureRow(prev, IndexOf(prev.rows, r))
+            \* CPU-built: the host copy of r's previous output (POISON_TOKEN when not there yet).
+            ELSE HostTok(r, c.outIdx[i] - 1)
+    IN [i \in DOMAIN c.curr |-> Input(i)]
+
 Reinstate ==
     /\ pc["main"] = "exec"
     /\ LET c == cur
            s == Len(steps) + 1
            prev == IF pending # 0 THEN steps[pending] ELSE [rows |-> <<>>]
-           FutureRow(i) == IF prev.outIdx[i] > 0 THEN prev.result[i] ELSE Poison
-           relay == RelayFrom(c, prev)
-           Input(i) ==
-               LET r == c.curr[i] IN
-               \* Built on the device: where(map >= 0, future[map], host ids).
-               IF InputSource(c.path) = "relayed_future" /\ relay[i] > 0 THEN FutureRow(relay[i])
-               ELSE IF r \notin c.decode THEN Prompt
-               \* Device-to-device: the future is the input.
-               ELSE IF InputSource(c.path) = "future" THEN FutureRow(i)
-               \* Hazard: token ownership after condense(). Row i must get curr[i]'s token, not prev[i]'s.
-               ELSE IF InputSource(c.path) = "remapped_future" THEN FutureRow(IndexOf(prev.rows, r))
-               \* CPU-built: the host copy of r's previous output (POISON_TOKEN when not there yet).
-               ELSE HostTok(r, c.outIdx[i] - 1)
-           inputs == [i \in DOMAIN c.curr |-> Input(i)]
+           inputs == StepInputs(c, prev)
            Result(i) ==
                LET r == c.curr[i]
                    k == c.outIdx[i]
@@ -473,6 +480,10 @@ Resolved(s) == s \notin Range(outQueue)
 \* validation overrides it with the ones its trace never schedules again, to prune early.)
 MayStop == ReqSet
 
+\* Does the engine core hand row i's token of step st to its request? Only while it is unfinished.
+\* (Trace validation overrides it with the requests the engine logged a token for.)
+Delivers(st, i) == status[st.rows[i]] # "finished"
+
 AdvanceStep ==  \* update_from_output: deliver the oldest step's tokens, discover stops
     /\ pc["main"] = "wait"
     /\ Resolved(Head(batchQueue))
@@ -480,7 +491,7 @@ AdvanceStep ==  \* update_from_output: deliver the oldest step's tokens, discove
     /\ LET st == steps[Head(batchQueue)]
            sampled == {i \in DOMAIN st.rows : st.outIdx[i] > 0}
            owner == [i \in sampled |-> st.rows[i]]
-           live == {i \in sampled : status[owner[i]] # "finished"}  \* others' tokens are discarded
+           live == {i \in sampled : Delivers(st, i)}  \* others' tokens are discarded
            Delivered(r) == IF \E i \in live : owner[i] = r
                            THEN Append(delivered[r], st.result[CHOOSE i \in live : owner[i] = r])
                            ELSE delivered[r]
@@ -581,6 +592,22 @@ PipelineDepthInv ==
     /\ Len(batchQueue) + (IF cur # NoCur /\ pc["main"] \in {"get", "transfer", "exec"} THEN 1 ELSE 0) <= Depth
     /\ Len(outQueue) <= Depth
     /\ Len(steps) - ran <= Depth
+
+-----------------------------------------------------------------------------
+(* Reachability witnesses. Each claims a situation the invariants are about *)
+(* is never reached; a witness model must make TLC violate it (manifest).   *)
+
+Paths == [s \in 1..Len(steps) |-> steps[s].path]
+Adjacent(a, b) == \E s \in 2..Len(steps) : Paths[s - 1] = a /\ Paths[s] = b
+TwoSteadyStepsUnreached == ~Adjacent("Steady", "Steady")
+RemapBesideSteadyUnreached == ~(Adjacent("ReorderRemap", "Steady") \/ Adjacent("Steady", "ReorderRemap"))
+\* A request finished (EOS, stop token or abort) while a step that samples for it is in flight.
+DiscardedTokenUnreached == ~\E r \in ReqSet : status[r] = "finished" /\ placeholders[r] > 0 /\ pc["main"] # "dead"
+\* A program failed while two steps were in flight.
+FailureWithTwoInFlightUnreached == ~\E s \in 1..Len(steps) : ~steps[s].ok /\ Len(batchQueue) = Depth
+\* Every path state the model's relay switch allows, in one behaviour.
+EveryPathStateUnreached ==
+    Range(Paths) # (IF AsyncRelay THEN PathStates ELSE PathStates \ {"Relay"})
 
 \* Liveness: every output of a step the device ran is eventually materialized.
 EventuallyMaterializedProp ==

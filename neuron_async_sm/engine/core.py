@@ -140,7 +140,10 @@ class EngineCore:
         self._arrivals += 1
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
-        return self.scheduler.abort_request(request_id)
+        delta = self.scheduler.abort_request(request_id)
+        if delta is not None and self.tracer.enabled:
+            self.tracer.event("Abort", req_id=request_id)
+        return delta
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
@@ -180,7 +183,15 @@ class EngineCore:
         scheduled, future = self.batch_queue.popleft()
         # Unbounded here, bounded below: the output thread waits only on the device, whose watchdog
         # fails every waiter after device_timeout_s without progress (DeviceHungError; 0: unbounded).
-        return self.scheduler.update_from_output(scheduled, future.result())
+        deltas = self.scheduler.update_from_output(scheduled, future.result())
+        if self.tracer.enabled:  # the spec's AdvanceStep: who got a token, who finished and why
+            self.tracer.event(
+                "AdvanceStep",
+                step=scheduled.step_id,
+                delivered=[d.request_id for d in deltas if d.new_token_ids],
+                finished=[[d.request_id, d.finish_reason] for d in deltas if d.finish_reason is not None],
+            )
+        return deltas
 
     def run_step(self) -> list[RequestDelta]:
         """One turn of the loop; a failure ends every in-flight request with an error, never hangs."""

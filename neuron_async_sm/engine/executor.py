@@ -15,7 +15,7 @@ from concurrent.futures import Future
 
 from neuron_async_sm.outputs import ModelRunnerOutput, SchedulerOutput
 from neuron_async_sm.runtime import keep_off_cpu
-from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput
+from neuron_async_sm.worker.async_output import OUTPUT_THREAD_NAME, AsyncModelRunnerOutput
 from neuron_async_sm.worker.model_runner import ModelRunner
 
 _STOP = object()
@@ -36,7 +36,7 @@ class Executor:
         self._output_thread: threading.Thread | None = None
         if async_output:
             self._output_queue = queue.Queue()
-            self._output_thread = threading.Thread(target=self._async_output_loop, name="async-output", daemon=True)
+            self._output_thread = threading.Thread(target=self._async_output_loop, name=OUTPUT_THREAD_NAME, daemon=True)
             self._output_thread.start()
 
     def execute_model(self, scheduled: SchedulerOutput) -> None:

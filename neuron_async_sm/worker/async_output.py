@@ -14,6 +14,8 @@ from neuron_async_sm.outputs import ModelRunnerOutput
 from neuron_async_sm.runtime import DeviceFuture
 from neuron_async_sm.trace import Tracer
 
+OUTPUT_THREAD_NAME = "async-output"  # the async output thread (engine/executor.py), named in the trace header
+
 
 @dataclass(frozen=True)
 class StepSnapshot:
@@ -97,4 +99,5 @@ class AsyncModelRunnerOutput:
                     positions=list(self.snapshot.sample_positions),
                     ok=self._error is None,
                     count=self.materialize_count,
+                    tokens=[] if self._result is None else self._result.sampled_token_ids,  # by snapshot row
                 )
