@@ -1,12 +1,19 @@
-"""The worker's persistent batch: per-request CPU state and the row order of the batch.
+"""The worker's persistent batch: per-request CPU state in preallocated arrays, and the row order.
 
 Rows are batch positions; KV slots are separate and stable for a request's lifetime (Neuron's
-sequence ids), so `condense()` may reorder rows without moving any KV cache.
+sequence ids), so `condense()` may reorder rows without moving any KV cache. The arrays are indexed
+by KV slot (the request's index while it lives here), so a condense moves no data either: only the
+row order (`req_ids`) and its slot map (`row_slots`) change, and only on steps that add or remove
+requests. Building a step's inputs is then a few vectorized gathers (`model_input.build_model_input`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from itertools import repeat
+
+import numpy as np
 
 from neuron_async_sm.sampling_params import SamplingParams
 
@@ -17,35 +24,24 @@ the device rejects it, so a stale input can never be computed on silently."""
 
 @dataclass
 class CachedRequestState:
-    """What the worker knows of one request: its tokens on the host and where its KV lives."""
+    """What the worker knows of one request besides its tokens, which live in `InputBatch.token_ids`."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     seed: int
-    kv_slot: int
-    # Prompt plus materialized outputs. In async mode the newest tokens may still live only in a
-    # device future; they are written here by request id when their step is materialized.
-    token_ids: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.token_ids:
-            self.token_ids = list(self.prompt_token_ids)
+    kv_slot: int  # the request's index into the batch's arrays while it lives there
+    _batch: InputBatch | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    def write_token(self, position: int, token: int) -> None:
-        """Record the token sampled for `position` (idempotent: rewriting the same position is harmless)."""
-        while len(self.token_ids) <= position:
-            self.token_ids.append(POISON_TOKEN)
-        self.token_ids[position] = token
-
-    def token_ids_for(self, start: int, count: int) -> list[int]:
-        """Tokens [start, start+count) as known on the host; unknown ones are POISON_TOKEN."""
-        known = self.token_ids[start : start + count]
-        return known + [POISON_TOKEN] * (count - len(known))
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt plus materialized outputs (a copy); a token still only in a future is POISON_TOKEN."""
+        assert self._batch is not None, "the request is not in a batch"
+        return self._batch.token_ids[self.kv_slot, : self._batch.num_tokens[self.kv_slot]].tolist()
 
 
 def next_row_order(rows: list[str], removed: frozenset[str], added: list[str]) -> list[str]:
@@ -55,10 +51,13 @@ def next_row_order(rows: list[str], removed: frozenset[str], added: list[str]) -
     the remaining holes by moving the last rows into the earliest holes. That last move is what
     reorders rows while the request set stays the same.
     """
+    if not removed and not added:
+        return list(rows)  # the common decode step: O(1) work beyond the copy
     slots: list[str | None] = [None if r in removed else r for r in rows]
+    holes = [i for i, r in enumerate(slots) if r is None]  # ascending
     for req_id in added:
-        if None in slots:
-            slots[slots.index(None)] = req_id
+        if holes:
+            slots[holes.pop(0)] = req_id
         else:
             slots.append(req_id)
     # condense()
@@ -74,22 +73,87 @@ def next_row_order(rows: list[str], removed: frozenset[str], added: list[str]) -
     return [r for r in slots if r is not None]
 
 
-class InputBatch:
-    """The requests the worker holds and their row order."""
+def scheduled_order(order: list[str] | tuple[str, ...], scheduled: Collection[str]) -> tuple[str, ...]:
+    """The rows of `order` that run this step, in order. Every scheduled request is in the batch, so
+    equal sizes mean every row runs (the common step: no per-request work)."""
+    if len(order) == len(scheduled):
+        return tuple(order)
+    return tuple(r for r in order if r in scheduled)
 
-    def __init__(self) -> None:
+
+class InputBatch:
+    """The requests the worker holds, their tokens and sampling parameters by KV slot, and their row order."""
+
+    def __init__(self, max_num_seqs: int, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
         self.requests: dict[str, CachedRequestState] = {}
         self.req_ids: list[str] = []  # row order, always condensed
+        self.row_ids: tuple[str, ...] = ()  # the same, as the tuple a step's inputs carry
+        self.row_slots = np.zeros(0, dtype=np.int64)  # [num_rows] KV slot of each row
+        # Per KV slot. A slot's row is reset when a request takes it: nothing of its previous owner
+        # survives (hazard: stale input ids from a recycled slot).
+        self.token_ids = np.full((max_num_seqs, max_model_len), POISON_TOKEN, dtype=np.int32)  # [slots, L]
+        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)  # [slots] prompt + outputs written so far
+        self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)  # [slots]
+        self.temperature = np.zeros(max_num_seqs, dtype=np.float32)  # [slots]
+        self.top_k = np.zeros(max_num_seqs, dtype=np.int32)  # [slots]
+        self.top_p = np.ones(max_num_seqs, dtype=np.float32)  # [slots]
+        self.seeds = np.zeros(max_num_seqs, dtype=np.int64)  # [slots]
 
     def update(self, removed: frozenset[str], added: list[CachedRequestState]) -> None:
-        """Remove finished requests, add new ones, condense."""
+        """Remove finished requests, add new ones, condense. O(1) when nothing changes."""
         removed = frozenset(r for r in removed if r in self.requests)
+        if not removed and not added:
+            return
         self.req_ids = next_row_order(self.req_ids, removed, [s.request_id for s in added])
         for req_id in removed:
-            del self.requests[req_id]
+            self.requests.pop(req_id)._batch = None
         for state in added:
-            self.requests[state.request_id] = state
+            self._add(state)
+        self.row_ids = tuple(self.req_ids)
+        requests = self.requests
+        self.row_slots = np.fromiter((requests[r].kv_slot for r in self.req_ids), np.int64, len(self.req_ids))
+
+    def _add(self, state: CachedRequestState) -> None:
+        slot, num_prompt = state.kv_slot, len(state.prompt_token_ids)
+        self.token_ids[slot, :] = POISON_TOKEN
+        self.token_ids[slot, :num_prompt] = state.prompt_token_ids
+        self.num_tokens[slot] = self.num_prompt_tokens[slot] = num_prompt
+        params = state.sampling_params
+        self.temperature[slot] = params.temperature
+        self.top_k[slot] = params.top_k
+        self.top_p[slot] = params.top_p
+        self.seeds[slot] = state.seed
+        state._batch = self
+        self.requests[state.request_id] = state
 
     def preview_order(self, removed: frozenset[str], added: list[str]) -> list[str]:
         """The row order `update()` would produce, without changing anything."""
         return next_row_order(self.req_ids, frozenset(r for r in removed if r in self.requests), added)
+
+    def scheduled_rows(self, scheduled: Collection[str]) -> tuple[tuple[str, ...], np.ndarray]:
+        """The rows that run this step, in row order, and their KV slots ([num_rows])."""
+        if len(self.req_ids) == len(scheduled):  # every row runs: the cached views, no work
+            return self.row_ids, self.row_slots
+        keep = np.fromiter((r in scheduled for r in self.req_ids), bool, len(self.req_ids))
+        return tuple(r for r, k in zip(self.req_ids, keep.tolist(), strict=True) if k), self.row_slots[keep]
+
+    def write_tokens(self, req_ids: tuple[str, ...], positions: tuple[int | None, ...], tokens: list[int]) -> None:
+        """Record sampled tokens: row i's token at positions[i] of request req_ids[i]; one scatter.
+
+        Hazard: token ownership. Addressed by request id, never by row: rows move between steps. A
+        request no longer here (finished, aborted) is skipped, so its recycled KV slot never receives
+        a token sampled for the slot's previous owner. None positions (partial prefill) sample nothing.
+        Idempotent: rewriting the same positions is harmless.
+        """
+        n = len(req_ids)
+        assert len(positions) == len(tokens) == n, (len(req_ids), len(positions), len(tokens))
+        get = self.requests.get
+        slots = np.fromiter(
+            (-1 if s is None else s.kv_slot for s in map(get, req_ids, repeat(None, n))), np.int64, n
+        )  # fmt: skip
+        pos = np.array(positions, dtype=np.float64)  # [n]; None -> nan
+        keep = (slots >= 0) & ~np.isnan(pos)
+        slots, rows_pos = slots[keep], pos[keep].astype(np.int64)
+        self.token_ids[slots, rows_pos] = np.asarray(tokens, dtype=np.int32)[keep]
+        self.num_tokens[slots] = np.maximum(self.num_tokens[slots], rows_pos + 1)

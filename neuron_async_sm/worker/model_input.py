@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.model import sample_tokens
 from neuron_async_sm.outputs import SchedulerOutput
-from neuron_async_sm.worker.input_batch import CachedRequestState
+from neuron_async_sm.worker.input_batch import InputBatch
 
 _FORWARD_INPUTS = ("input_ids", "positions", "query_lens", "slot_ids")
 INPUT_IDS_DTYPE = torch.int32
@@ -83,62 +84,58 @@ def padded_input_shape(config: EngineConfig, scheduled: SchedulerOutput) -> tupl
 def build_model_input(
     config: EngineConfig,
     scheduled: SchedulerOutput,
-    rows: list[CachedRequestState],
+    batch: InputBatch,
+    req_ids: tuple[str, ...],
+    slots: np.ndarray,
 ) -> ModelInput:
-    """Inputs from CPU state. Tokens that exist only in a pending future come out as POISON_TOKEN."""
+    """Inputs from CPU state: vectorized gathers from the batch's arrays, no loop over requests.
+
+    `req_ids` are the step's rows in order and `slots` [num_rows] their KV slots. Tokens that exist
+    only in a pending future come out as POISON_TOKEN (hazard: stale input ids; the device rejects them).
+    """
     is_decode = scheduled.all_decode
     shape = padded_input_shape(config, scheduled)
-    num_padded = shape[0]
-    width = 1 if is_decode else shape[1]
-    scratch_slot = config.max_num_seqs
-
-    ids = [[0] * width for _ in range(num_padded)]
-    pos = [[0] * width for _ in range(num_padded)]
-    query_lens = [0] * num_padded
-    slot_ids = [scratch_slot] * num_padded
-    temperature = [0.0] * num_padded
-    top_k = [0] * num_padded
-    top_p = [1.0] * num_padded
-    seeds = [0] * num_padded
-    output_index = [0] * num_padded
-    sample_positions: list[int | None] = []
-
-    for i, state in enumerate(rows):
-        start = scheduled.num_computed_tokens[state.request_id]
-        n = scheduled.num_scheduled_tokens[state.request_id]
-        ids[i][:n] = state.token_ids_for(start, n)
-        pos[i][:n] = range(start, start + n)
-        query_lens[i] = n
-        slot_ids[i] = state.kv_slot
-        params = state.sampling_params
-        temperature[i] = float(params.temperature)
-        top_k[i] = params.top_k
-        top_p[i] = float(params.top_p)
-        seeds[i] = state.seed
-        end = start + n  # position of the token this row samples
-        output_index[i] = max(end - state.num_prompt_tokens, 0)
-        sample_positions.append(end if end >= state.num_prompt_tokens else None)
-
-    def as_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype)
-
+    num_padded, num_rows = shape[0], len(req_ids)
+    computed = scheduled.num_computed_tokens
+    start = np.fromiter(map(computed.__getitem__, req_ids), np.int64, num_rows)  # [R]
     if is_decode:
-        input_ids = as_tensor([r[0] for r in ids], INPUT_IDS_DTYPE)
-        positions = as_tensor([r[0] for r in pos], torch.int32)
+        count = np.ones(num_rows, dtype=np.int64)  # [R]
+        ids = np.zeros(num_padded, dtype=np.int32)  # [B]
+        pos = np.zeros(num_padded, dtype=np.int32)  # [B]
+        ids[:num_rows] = batch.token_ids[slots, start]
+        pos[:num_rows] = start
     else:
-        input_ids = as_tensor(ids, INPUT_IDS_DTYPE)
-        positions = as_tensor(pos, torch.int32)
+        width = shape[1]
+        count = np.fromiter(map(scheduled.num_scheduled_tokens.__getitem__, req_ids), np.int64, num_rows)  # [R]
+        cols = np.arange(width, dtype=np.int64)  # [L]
+        real = cols[None, :] < count[:, None]  # [R, L]
+        at = np.where(real, start[:, None] + cols[None, :], 0)  # [R, L] positions; padding reads position 0
+        ids = np.zeros((num_padded, width), dtype=np.int32)  # [B, L]
+        pos = np.zeros((num_padded, width), dtype=np.int32)  # [B, L]
+        ids[:num_rows] = np.where(real, batch.token_ids[slots[:, None], at], 0)
+        pos[:num_rows] = at
+    end = start + count  # [R] position of the token each row samples
+    num_prompt = batch.num_prompt_tokens[slots]  # [R]
+
+    def padded(values: np.ndarray, fill: float, dtype: type) -> torch.Tensor:
+        out = np.full(num_padded, fill, dtype=dtype)  # [B]
+        out[:num_rows] = values
+        return torch.from_numpy(out)
+
+    sample_positions = end.tolist()
+    for i in np.flatnonzero(end < num_prompt).tolist():  # a partial prefill chunk samples nothing
+        sample_positions[i] = None
     return ModelInput(
-        req_ids=tuple(s.request_id for s in rows),
+        req_ids=req_ids,
         sample_positions=tuple(sample_positions),
         is_decode=is_decode,
-        input_ids=input_ids,
-        positions=positions,
-        query_lens=as_tensor(query_lens, torch.int32),
-        slot_ids=as_tensor(slot_ids, torch.int32),
-        temperature=as_tensor(temperature, torch.float32),
-        top_k=as_tensor(top_k, torch.int32),
-        top_p=as_tensor(top_p, torch.float32),
-        seeds=as_tensor(seeds, torch.int64),
-        output_index=as_tensor(output_index, torch.int64),
+        input_ids=torch.from_numpy(ids),
+        positions=torch.from_numpy(pos),
+        query_lens=padded(count, 0, np.int32),
+        slot_ids=padded(slots, config.max_num_seqs, np.int32),  # padding rows use the scratch slot
+        temperature=padded(batch.temperature[slots], 0.0, np.float32),
+        top_k=padded(batch.top_k[slots], 0, np.int32),
+        top_p=padded(batch.top_p[slots], 1.0, np.float32),
+        seeds=padded(batch.seeds[slots], 0, np.int64),
+        output_index=padded(np.maximum(end - num_prompt, 0), 0, np.int64),
     )

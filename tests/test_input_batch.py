@@ -1,0 +1,143 @@
+"""The persistent input batch: arrays by KV slot, vectorized inputs equal to a per-request reference."""
+
+import random
+
+import torch
+
+from neuron_async_sm.config import EngineConfig
+from neuron_async_sm.outputs import SchedulerOutput
+from neuron_async_sm.sampling_params import SamplingParams
+from neuron_async_sm.worker.input_batch import POISON_TOKEN, CachedRequestState, InputBatch, next_row_order
+from neuron_async_sm.worker.model_input import build_model_input, padded_input_shape
+
+CONFIG = EngineConfig(max_num_seqs=6, max_model_len=48, max_num_batched_tokens=64, decode_buckets=(2, 4, 8),
+                      prefill_buckets=(8, 16, 64))  # fmt: skip
+
+
+def reference_inputs(config: EngineConfig, scheduled: SchedulerOutput, batch: InputBatch) -> dict[str, list]:
+    """The trivially correct builder: a Python loop over rows reading each request's token list."""
+    shape = padded_input_shape(config, scheduled)
+    width = 1 if scheduled.all_decode else shape[1]
+    rows = [batch.requests[r] for r in batch.req_ids if r in scheduled.num_scheduled_tokens]
+    out: dict[str, list] = {
+        "ids": [[0] * width for _ in range(shape[0])], "pos": [[0] * width for _ in range(shape[0])],
+        "query_lens": [0] * shape[0], "slot_ids": [config.max_num_seqs] * shape[0],
+        "temperature": [0.0] * shape[0], "top_k": [0] * shape[0], "top_p": [1.0] * shape[0],
+        "seeds": [0] * shape[0], "output_index": [0] * shape[0], "sample_positions": [],
+    }  # fmt: skip
+    for i, state in enumerate(rows):
+        start = scheduled.num_computed_tokens[state.request_id]
+        n = scheduled.num_scheduled_tokens[state.request_id]
+        known = state.token_ids[start : start + n]
+        out["ids"][i][:n] = known + [POISON_TOKEN] * (n - len(known))
+        out["pos"][i][:n] = range(start, start + n)
+        out["query_lens"][i], out["slot_ids"][i] = n, state.kv_slot
+        p = state.sampling_params
+        out["temperature"][i], out["top_k"][i], out["top_p"][i] = p.temperature, p.top_k, p.top_p
+        out["seeds"][i] = state.seed
+        out["output_index"][i] = max(start + n - state.num_prompt_tokens, 0)
+        out["sample_positions"].append(start + n if start + n >= state.num_prompt_tokens else None)
+    if scheduled.all_decode:
+        out["ids"], out["pos"] = [r[0] for r in out["ids"]], [r[0] for r in out["pos"]]
+    return out
+
+
+def build(scheduled: SchedulerOutput, batch: InputBatch):
+    req_ids, slots = batch.scheduled_rows(scheduled.num_scheduled_tokens)
+    return build_model_input(CONFIG, scheduled, batch, req_ids, slots)
+
+
+def state(req_id: str, prompt: list[int], slot: int, **params) -> CachedRequestState:
+    return CachedRequestState(req_id, prompt, SamplingParams(**params), seed=1000 + slot, kv_slot=slot)
+
+
+def step(step_id, scheduled: dict[str, int], computed: dict[str, int], batch: InputBatch) -> SchedulerOutput:
+    all_decode = all(n == 1 and computed[r] >= batch.requests[r].num_prompt_tokens for r, n in scheduled.items())
+    return SchedulerOutput(step_id, scheduled, computed, [], frozenset(), frozenset(), all_decode)
+
+
+def test_vectorized_inputs_equal_the_per_request_reference_through_adds_removes_and_write_backs():
+    rng = random.Random(7)
+    batch = InputBatch(CONFIG.max_num_seqs, CONFIG.max_model_len)
+    computed: dict[str, int] = {}
+    free = list(range(CONFIG.max_num_seqs))
+    names = iter(f"r{i}" for i in range(10_000))
+    for step_id in range(300):
+        removed = frozenset(r for r in batch.req_ids if rng.random() < 0.15)
+        free += [batch.requests[r].kv_slot for r in removed]
+        added = []
+        for _ in range(rng.randint(0, len(free))):
+            req_id, slot = next(names), free.pop(rng.randrange(len(free)))
+            params = {
+                "temperature": rng.choice([0.0, 0.7]),
+                "top_k": rng.choice([0, 5]),
+                "top_p": rng.choice([1.0, 0.9]),
+            }
+            added.append(state(req_id, [rng.randrange(3, 90) for _ in range(rng.randint(1, 20))], slot, **params))
+            computed[req_id] = 0
+        assert next_row_order(batch.req_ids, removed, [s.request_id for s in added]) == batch.preview_order(
+            removed, [s.request_id for s in added]
+        )
+        batch.update(removed, added)
+        decode = rng.random() < 0.5
+        scheduled = {}
+        for r in batch.req_ids:
+            left = batch.requests[r].num_prompt_tokens - computed[r]
+            if computed[r] + 1 >= CONFIG.max_model_len or rng.random() < 0.2:
+                continue  # not scheduled this step (a pipelining gap, the budget)
+            if left > 0 and not decode:
+                scheduled[r] = rng.randint(1, left)
+            elif left <= 0:
+                scheduled[r] = 1
+        if not scheduled:
+            continue
+        so = step(step_id, scheduled, {r: computed[r] for r in scheduled}, batch)
+        got, want = build(so, batch), reference_inputs(CONFIG, so, batch)
+        assert got.req_ids == tuple(r for r in batch.req_ids if r in scheduled)
+        assert got.input_ids.tolist() == want["ids"] and got.positions.tolist() == want["pos"]
+        assert got.sample_positions == tuple(want["sample_positions"])
+        for name in ("query_lens", "slot_ids", "top_k", "seeds", "output_index"):
+            assert getattr(got, name).tolist() == want[name], name
+        for name in ("temperature", "top_p"):
+            assert torch.allclose(getattr(got, name), torch.tensor(want[name], dtype=torch.float32)), name
+        for r, n in scheduled.items():
+            computed[r] += n
+        if rng.random() < 0.8:  # the step's write-back (sometimes late: the test never writes it)
+            tokens = [rng.randrange(3, 90) for _ in got.req_ids]
+            batch.write_tokens(got.req_ids, got.sample_positions, tokens)
+            for r, p, t in zip(got.req_ids, got.sample_positions, tokens, strict=True):
+                if p is not None:
+                    assert batch.requests[r].token_ids[p] == t
+
+
+def test_a_recycled_slot_holds_nothing_of_its_previous_owner():
+    """Hazard: stale input ids. B takes A's KV slot; B's first decode input is B's own token, never
+    one A wrote at the same position."""
+    batch = InputBatch(CONFIG.max_num_seqs, CONFIG.max_model_len)
+    batch.update(frozenset(), [state("a", [5, 6, 7], slot=0)])
+    batch.write_tokens(("a",), (3,), [41])
+    batch.write_tokens(("a",), (4,), [42])
+    batch.update(frozenset({"a"}), [state("b", [9, 9, 9], slot=0)])
+    assert batch.requests["b"].token_ids == [9, 9, 9]
+    so = step(1, {"b": 1}, {"b": 3}, batch)  # B decodes position 3 before its token there is known
+    assert build(so, batch).input_ids.tolist()[0] == POISON_TOKEN
+
+
+def test_a_late_write_back_for_a_removed_request_never_reaches_its_slots_new_owner():
+    """Hazard: token ownership. A's step is materialized after A left and B took its slot."""
+    batch = InputBatch(CONFIG.max_num_seqs, CONFIG.max_model_len)
+    batch.update(frozenset(), [state("a", [5, 6, 7], slot=2), state("c", [8], slot=1)])
+    batch.update(frozenset({"a"}), [state("b", [9, 9, 9], slot=2)])
+    batch.write_tokens(("a", "c"), (3, 1), [41, 43])  # A's late output: only C's row is written
+    assert batch.requests["b"].token_ids == [9, 9, 9]
+    assert batch.requests["c"].token_ids == [8, 43]
+
+
+def test_a_step_that_changes_nothing_keeps_the_row_order_and_its_slot_map():
+    batch = InputBatch(CONFIG.max_num_seqs, CONFIG.max_model_len)
+    batch.update(frozenset(), [state("a", [5], slot=3), state("b", [6], slot=1), state("c", [7], slot=0)])
+    ids, slots = batch.row_ids, batch.row_slots
+    batch.update(frozenset(), [])
+    assert batch.row_ids is ids and batch.row_slots is slots
+    batch.update(frozenset({"a"}), [])  # condense: the last row moves into the hole
+    assert batch.req_ids == ["c", "b"] and batch.row_slots.tolist() == [0, 1]
