@@ -18,7 +18,7 @@ from neuron_async_sm.outputs import ModelRunnerOutput, NewRequestData, Scheduler
 from neuron_async_sm.runtime import DeviceFuture, DeviceRuntime, TensorSpec
 from neuron_async_sm.trace import Tracer
 from neuron_async_sm.worker import async_machine as sm
-from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput, StepSnapshot
+from neuron_async_sm.worker.async_output import OUTPUT_THREAD_NAME, AsyncModelRunnerOutput, StepSnapshot
 from neuron_async_sm.worker.input_batch import CachedRequestState, InputBatch, scheduled_order
 from neuron_async_sm.worker.model_input import (
     SAMPLED_DTYPE,
@@ -80,15 +80,9 @@ class ModelRunner:
         self._step_req_ids: tuple[str, ...] = ()
         self._step_new: list[NewRequestData] = []  # requests this step adds to the batch, in admission order
         self._step_relay: list[int] = []  # the relay's row map of this step (empty unless it relayed)
-        if tracer.enabled:  # the trace's header: the constants a trace checker needs (model_check/)
-            tracer.event(
-                "config",
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=config.max_model_len,
-                decode_buckets=list(config.decode_buckets),
-                async_scheduling=config.async_scheduling,
-                async_relay=config.async_relay,
-            )
+        self._step_gather: list[int] = []  # ReorderRemap: per row, the pending future's row it reads
+        self._step_inputs: list[list] = []  # tracing only: per row, where its input id came from
+        self._header_due = tracer.enabled  # the trace's header is written by the first step's thread
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -96,6 +90,8 @@ class ModelRunner:
         """Update states, prepare inputs, enqueue the program. Sync mode blocks on its output."""
         self._step_id = scheduled.step_id
         self._step_relay = []
+        if self._header_due:
+            self._trace_header()
         path = self._begin_async_step(scheduled) if self.use_async_scheduling else None
         plan = SYNC_PLAN if path is None else sm.PLANS[path]
         if plan.materialize_first:
@@ -107,6 +103,8 @@ class ModelRunner:
         if path is not None:
             assert model_input.req_ids == self._step_req_ids, "row order differs from the observed order"
         inputs = model_input.program_inputs() | self._future_inputs(plan.input_source, model_input)
+        if self.tracer.enabled:
+            self._step_inputs = self._traced_inputs(plan.input_source, model_input)
         if self.config.on_device_sampling:
             out = TensorSpec((model_input.num_rows,), SAMPLED_DTYPE)
             future = self.runtime.enqueue(STEP_PROGRAM, inputs, out)
@@ -200,6 +198,7 @@ class ModelRunner:
         order = list(range(model_input.num_rows))
         for i, req_id in enumerate(model_input.req_ids):
             order[i] = prev_row[req_id]
+        self._step_gather = order
         return self.buffer.future.index_select(torch.tensor(order, dtype=torch.int64))
 
     def _materialize_pending(self) -> None:
@@ -229,8 +228,43 @@ class ModelRunner:
             # request ids; the rows may have moved or left since this step was sampled.
             self.batch.write_tokens(snapshot.req_ids, snapshot.sample_positions, tokens)
 
+    def _trace_header(self) -> None:
+        """The trace's header: the constants a trace checker needs (model_check/), and the threads."""
+        self._header_due = False
+        self.tracer.event(
+            "config",
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.config.max_model_len,
+            decode_buckets=list(self.config.decode_buckets),
+            async_scheduling=self.config.async_scheduling,
+            async_relay=self.config.async_relay,
+            engine_thread=threading.current_thread().name,  # the engine loop: it runs every step
+            output_thread=OUTPUT_THREAD_NAME,
+        )
+
+    def _traced_inputs(self, source: sm.InputSource, model_input: ModelInput) -> list[list]:
+        """Tracing only: per row, the input id it computes on, as the program gets it: `["prompt"]`,
+        `["future", j]` (row j of the pending future, as is, remapped or relayed) or
+        `["host", token, position]` (the CPU-built id; POISON_TOKEN when the host lacks it)."""
+        first = (model_input.positions if model_input.is_decode else model_input.positions[:, 0]).tolist()
+        ids = (model_input.input_ids if model_input.is_decode else model_input.input_ids[:, 0]).tolist()
+        rows: list[list] = []
+        for i, req_id in enumerate(model_input.req_ids):
+            if source is sm.InputSource.RELAYED_FUTURE and self._step_relay[i] >= 0:
+                rows.append(["future", self._step_relay[i]])
+            elif first[i] < len(self.batch.requests[req_id].prompt_token_ids):
+                rows.append(["prompt"])
+            elif source is sm.InputSource.FUTURE:
+                rows.append(["future", i])  # the future is input_ids: row i reads row i
+            elif source is sm.InputSource.REMAPPED_FUTURE:
+                rows.append(["future", self._step_gather[i]])
+            else:
+                rows.append(["host", ids[i], first[i]])
+        return rows
+
     def _trace_transition(self, trigger: str, source: str, dest: str) -> None:
         if self.tracer.enabled:
+            reinstate = trigger == "reinstate"
             self.tracer.event(
                 trigger,
                 step=self._step_id,
@@ -244,4 +278,8 @@ class ModelRunner:
                     min(n.sampling_params.max_tokens, self.config.max_model_len - len(n.prompt_token_ids))
                     for n in self._step_new
                 ],
+                prompt_lens=[len(n.prompt_token_ids) for n in self._step_new],
+                inputs=self._step_inputs if reinstate else [],  # per row: where its input id came from
+                # the machine's counters after this step (reinstate), checked against the spec's
+                counters=[self.machine.async_steps, self.machine.sync_fallback_steps] if reinstate else [],
             )
