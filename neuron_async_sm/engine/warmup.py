@@ -56,7 +56,8 @@ def warmup_calls(config: EngineConfig, vocab_size: int) -> list[WarmupCall]:
         label = f"decode bucket {shape[0]}" if len(shape) == 1 else f"prefill {shape[0]} x {shape[1]}"
         if config.on_device_sampling:
             out = TensorSpec((shape[0],), SAMPLED_DTYPE)
-            calls.append(WarmupCall(label, STEP_PROGRAM, model_input.program_inputs(), out))
+            feed = "input_ids" if len(shape) == 1 else None  # Steady: the sampled tokens are the next input
+            calls.append(WarmupCall(label, STEP_PROGRAM, model_input.program_inputs(), out, feed))
         else:
             out = TensorSpec((shape[0], vocab_size), logits_dtype(config.dtype))
             calls.append(WarmupCall(label, LOGITS_PROGRAM, model_input.forward_inputs(), out))

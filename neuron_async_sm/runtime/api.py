@@ -74,6 +74,9 @@ class WarmupCall:
     program: str
     inputs: Mapping[str, torch.Tensor]
     out: TensorSpec
+    # Also run the call once more with its own output future as this input (the Steady path: the
+    # sampled tokens feed the next step). A device may compile a fed future apart from an upload.
+    feed_output_to: str | None = None
 
 
 @dataclass(frozen=True)

@@ -342,14 +342,19 @@ class LocalRuntime(DeviceRuntime):
         started = time.perf_counter()
         for call in tqdm(calls, desc=f"compiling for {self._ops.device}", unit="program", disable=None):
             before, t0 = self._ops.compilations(), time.perf_counter()
-            future = self.enqueue(call.program, call.inputs, call.out)
+            futures = [self.enqueue(call.program, call.inputs, call.out)]
+            if call.feed_output_to is not None:
+                fed = {**call.inputs, call.feed_output_to: futures[0]}
+                futures.append(self.enqueue(call.program, fed, call.out))
             try:
-                future.to_host()
+                for future in futures:
+                    future.to_host()
             except DeviceProgramError as exc:
                 self.close()
                 raise DeviceStartupError(f"warm-up call {call.label!r} failed: {exc}") from exc
             finally:
-                future.release()
+                for future in futures:
+                    future.release()
             record = WarmupRecord(call.label, time.perf_counter() - t0, self._ops.compilations() - before)
             logger.info("warm-up %s: %.2f s, %d compiled", record.label, record.seconds, record.compilations)
             records.append(record)
