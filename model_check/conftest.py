@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # tlc.py, trace_check.py
-sys.path.insert(0, str(HERE.parent / "tests"))  # workloads.py: the random workload driver
-
-from tlc import PARALLEL_RUNS, REQUIRE_ENV, TlcResult, manifest_models, missing_reason, run_tlc  # noqa: E402
+# tlc.py, trace_check.py (this folder) and support.* (tests/) are on the path through pytest's `pythonpath`.
+from tlc import PARALLEL_RUNS, REQUIRE_ENV, TlcResult, manifest_models, missing_reason, run_tlc
 
 
 @pytest.fixture(scope="session")

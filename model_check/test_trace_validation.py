@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from support.workloads import drive, random_workload
 from tlc import PARALLEL_RUNS
 from trace_check import POISON_TOKEN, TraceVerdict, check_trace, engine_threads, read_trace
-from workloads import drive, random_workload
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.worker import async_machine as sm

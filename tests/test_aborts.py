@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from engine_invariants import (
+from support.engine_invariants import (
     SMALL_ENGINE,
     Reference,
     Tracked,

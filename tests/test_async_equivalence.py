@@ -9,7 +9,7 @@ import random
 from collections import Counter
 
 import pytest
-from workloads import drive, random_workload
+from support.workloads import drive, random_workload
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.worker import async_machine as sm

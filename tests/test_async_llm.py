@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from engine_invariants import SMALL_ENGINE
+from support.engine_invariants import SMALL_ENGINE
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.engine.async_llm import AsyncLLM

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import device_pid, process_gone
+from support.processes import device_pid, process_gone
 
 REPO = Path(__file__).resolve().parents[1]
 LONG = {"max_tokens": 400, "ignore_eos": True}  # long enough that a fault lands mid-run

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from processes import process_gone
+from support.processes import process_gone
+from support.toy_programs import Gate, ToyPrograms, in_thread
 
 from neuron_async_sm import LLM, ConfigError, EngineConfig, EngineDeadError, SamplingParams
 from neuron_async_sm.runtime import DeviceHungError, DeviceLostError, TensorSpec, create_runtime
-from neuron_async_sm.runtime.testing import Gate, ToyPrograms, in_thread
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 3.0  # device_timeout_s of the hang tests

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.reference import generate_alone
 
 from neuron_async_sm import LLM, SamplingParams
-from neuron_async_sm.model import ModelSpec, build_step_program, generate_alone, load_model_config
+from neuron_async_sm.model import ModelSpec, build_step_program, load_model_config
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,16 +7,9 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from support.reference import RowStep, generate_alone, pack_step
 
-from neuron_async_sm.model import (
-    TINY_LLAMA,
-    ModelSpec,
-    RowStep,
-    StepProgram,
-    build_step_program,
-    generate_alone,
-    pack_step,
-)
+from neuron_async_sm.model import TINY_LLAMA, ModelSpec, StepProgram, build_step_program
 
 SLOTS = 8
 MAX_LEN = 96

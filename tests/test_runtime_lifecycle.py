@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.toy_programs import Gate, ToyPrograms, in_thread
 
 from neuron_async_sm.runtime import (
     DeviceLostError,
@@ -17,7 +18,6 @@ from neuron_async_sm.runtime import (
     TensorSpec,
     create_runtime,
 )
-from neuron_async_sm.runtime.testing import Gate, ToyPrograms, in_thread
 
 BACKENDS = ["cpu", "cpu-inprocess"]
 I32 = TensorSpec((4,), torch.int32)

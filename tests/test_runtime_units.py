@@ -6,6 +6,7 @@ from collections import deque
 
 import pytest
 import torch
+from support.toy_programs import ToyPrograms
 
 from neuron_async_sm.runtime import RuntimeConfig, TensorSpec
 from neuron_async_sm.runtime.config import DeviceKind
@@ -23,7 +24,6 @@ from neuron_async_sm.runtime.messages import (
     Shutdown,
     WireTensor,
 )
-from neuron_async_sm.runtime.testing import ToyPrograms
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from serve_harness import CHAT_TEMPLATE, ServerProcess, write_text_model
+from support.serve_harness import CHAT_TEMPLATE, ServerProcess, write_text_model
 from tokenizers import Tokenizer
 
 from neuron_async_sm import LLM, SamplingParams

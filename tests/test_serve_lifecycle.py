@@ -12,8 +12,8 @@ import time
 
 import openai
 import pytest
-from processes import device_pid
-from serve_harness import ServerProcess
+from support.processes import device_pid
+from support.serve_harness import ServerProcess
 
 LONG = dict(max_tokens=300, temperature=0.0, extra_body={"ignore_eos": True})
 

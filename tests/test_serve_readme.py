@@ -14,8 +14,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from processes import process_gone
-from serve_harness import REPO, free_port
+from support.processes import process_gone
+from support.serve_harness import REPO, free_port
 
 
 def readme_serve_section() -> tuple[str, str]:

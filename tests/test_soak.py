@@ -17,7 +17,7 @@ import threading
 import time
 from collections import Counter
 
-from engine_invariants import TERMINAL, check_machine, check_scheduler_bounded, check_slots
+from support.engine_invariants import TERMINAL, check_machine, check_scheduler_bounded, check_slots
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.runtime.host_future import HostFuture

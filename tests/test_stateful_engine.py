@@ -20,7 +20,10 @@ import threading
 from collections import Counter
 
 import pytest
-from engine_invariants import (
+from hypothesis import event, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from support.engine_invariants import (
     SMALL_ENGINE,
     TERMINAL,
     EngineHung,
@@ -34,9 +37,6 @@ from engine_invariants import (
     engine_threads,
     step_or_hang,
 )
-from hypothesis import event, note, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from neuron_async_sm import LLM, EngineDeadError, InvalidRequestError, SamplingParams
 from neuron_async_sm.worker import async_machine as sm

@@ -11,7 +11,6 @@ from neuron_async_sm.model.config import (
 from neuron_async_sm.model.errors import ModelLoadError
 from neuron_async_sm.model.kv_cache import kv_cache_bytes
 from neuron_async_sm.model.program import StepProgram, build_step_program
-from neuron_async_sm.model.reference import RowStep, generate_alone, pack_step
 from neuron_async_sm.model.sampler import sample_tokens
 from neuron_async_sm.model.spec import ModelSpec
 
@@ -22,13 +21,10 @@ __all__ = [
     "ModelLoadError",
     "ModelSpec",
     "RopeScaling",
-    "RowStep",
     "StepProgram",
     "build_step_program",
-    "generate_alone",
     "kv_cache_bytes",
     "load_model_config",
-    "pack_step",
     "sample_tokens",
     "tokenizer_path",
 ]

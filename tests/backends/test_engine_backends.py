@@ -10,8 +10,8 @@ import random
 
 import pytest
 import torch
+from support.workloads import drive, random_workload
 from test_async_scenarios import PATHS, SCENARIOS, relayed, run
-from workloads import drive, random_workload
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.engine import core

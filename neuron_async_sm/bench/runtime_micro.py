@@ -1,6 +1,6 @@
 """Measurements behind the runtime's design choices (not a test: timings are machine-dependent).
 
-    python -m neuron_async_sm.runtime.bench [--iters N]
+    python -m neuron_async_sm.bench.runtime_micro [--iters N]
 
 1. Wire format: round trip of a tiny int32[8] tensor over a raw spawn pipe,
    sent as a torch tensor (torch's shared-memory reduction) versus as bytes.
@@ -22,9 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .api import DeviceFuture, DeviceRuntime, Program, TensorSpec
-from .create import create_runtime
-from .messages import WireTensor
+from neuron_async_sm.runtime import DeviceFuture, DeviceRuntime, Program, TensorSpec, create_runtime
+from neuron_async_sm.runtime.messages import WireTensor
 
 TINY = TensorSpec((8,), torch.int32)
 

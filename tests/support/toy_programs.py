@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .api import Program
+from neuron_async_sm.runtime import Program
 
 GATE_TIMEOUT_S = 30.0  # a gated program gives up (and fails) after this, so a broken test cannot hang forever
 

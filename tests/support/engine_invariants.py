@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 import torch
 
 from neuron_async_sm import LLM, SamplingParams
-from neuron_async_sm.model import TINY_LLAMA, TINY_LLAMA_CONFIG, ModelSpec, build_step_program, generate_alone
+from neuron_async_sm.model import TINY_LLAMA, TINY_LLAMA_CONFIG, ModelSpec, build_step_program
 from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput, StepSnapshot
 from neuron_async_sm.worker.input_batch import POISON_TOKEN
+from support.reference import generate_alone
 
 TERMINAL = frozenset({"stop", "length", "abort", "error"})
 EOS = frozenset(TINY_LLAMA_CONFIG.eos_token_ids)
