@@ -102,48 +102,63 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts. Advances `num_computed_tokens` at once."""
         budget = self.config.max_num_batched_tokens
+        max_model_len = self.config.max_model_len
         num_scheduled: dict[str, int] = {}
         num_computed: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
+        sampling: set[str] = set()
+        in_flight = self._in_flight_steps
+        all_decode = True
 
+        # One pass per running request, everything inlined: this loop is the scheduler's per-request
+        # cost on every step (the rest of a step is O(changes)).
         for request in self.running:
             if budget == 0:
                 break
-            n = min(self._tokens_to_compute(request), budget)
-            if n > 0:
-                num_scheduled[request.request_id] = n
-                budget -= n
+            req_id, computed = request.request_id, request.num_computed_tokens
+            num_prompt = len(request.prompt_token_ids)
+            outputs = len(request.output_token_ids) + request.num_output_placeholders  # with placeholders
+            total = num_prompt + outputs
+            if computed >= num_prompt and (
+                outputs >= request.sampling_params.max_tokens or total >= max_model_len
+            ):  # fmt: skip
+                # Decode: the max_tokens pipelining gap. If the tokens already in flight reach the
+                # limit, scheduling another step would sample a token past max_tokens / max_model_len.
+                continue
+            n = min(total - computed, budget)  # the prompt remainder (a chunk), or the one decode token
+            if n <= 0:
+                continue
+            budget -= n
+            num_scheduled[req_id] = n
+            num_computed[req_id] = computed
+            all_decode = all_decode and n == 1 and computed >= num_prompt
+            request.num_computed_tokens = computed = computed + n
+            in_flight[req_id] += 1
+            if computed >= num_prompt:
+                sampling.add(req_id)
+                # One more token will exist once this step runs; in sync mode it is materialized
+                # before the next schedule, so the placeholder is gone by then.
+                request.num_output_placeholders += 1
 
         while self.waiting and budget > 0 and self._free_slots:
             request = self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.kv_slot = self._free_slots.pop(0)
             self.running.append(request)
-            n = min(request.num_prompt_tokens, budget)
-            num_scheduled[request.request_id] = n
+            req_id, num_prompt = request.request_id, request.num_prompt_tokens
+            n = min(num_prompt, budget)
+            num_scheduled[req_id] = n
             budget -= n
             new_reqs.append(
-                NewRequestData(
-                    request.request_id,
-                    list(request.prompt_token_ids),
-                    request.sampling_params,
-                    request.seed,
-                    request.kv_slot,
-                )
-            )
-
-        sampling: set[str] = set()
-        all_decode = True
-        for req_id, n in num_scheduled.items():
-            request = self.requests[req_id]
-            num_computed[req_id] = request.num_computed_tokens
-            all_decode = all_decode and n == 1 and request.num_computed_tokens >= request.num_prompt_tokens
+                NewRequestData(req_id, list(request.prompt_token_ids), request.sampling_params, request.seed,
+                               request.kv_slot)
+            )  # fmt: skip
+            num_computed[req_id] = request.num_computed_tokens  # 0: nothing is preempted here
+            all_decode = False  # a prompt chunk
             request.num_computed_tokens += n
-            self._in_flight_steps[req_id] += 1
-            if request.num_computed_tokens >= request.num_prompt_tokens:
+            in_flight[req_id] += 1
+            if request.num_computed_tokens >= num_prompt:
                 sampling.add(req_id)
-                # One more token will exist once this step runs; in sync mode it is materialized
-                # before the next schedule, so the placeholder is gone by then.
                 request.num_output_placeholders += 1
 
         if not num_scheduled:
@@ -163,54 +178,41 @@ class Scheduler:
         self._finished_since_schedule.clear()
         return output
 
-    def _tokens_to_compute(self, request: Request) -> int:
-        """Tokens a running request can compute now: its prompt remainder, or the one decode token."""
-        remaining = request.num_tokens_with_placeholders - request.num_computed_tokens
-        if request.num_computed_tokens < request.num_prompt_tokens:
-            return remaining  # prefill chunk
-        # Decode: the max_tokens pipelining gap. If the tokens already in flight reach the limit,
-        # scheduling another step would sample a token past max_tokens / max_model_len.
-        params = request.sampling_params
-        if request.num_outputs_with_placeholders >= params.max_tokens:
-            return 0
-        if request.num_tokens_with_placeholders >= self.config.max_model_len:
-            return 0
-        return remaining
-
     # -- results ------------------------------------------------------------------------------------
 
     def update_from_output(self, scheduled: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestDelta]:
         """Apply one step's sampled tokens: append, check stops, finish, free slots."""
         tokens = output.by_request()
         deltas: list[RequestDelta] = []
+        requests, in_flight, sampling = self.requests, self._in_flight_steps, scheduled.sampling_req_ids
+        finished, eos, max_model_len = RequestStatus.FINISHED, self.eos_token_ids, self.config.max_model_len
         for req_id in scheduled.num_scheduled_tokens:
-            request = self.requests[req_id]
-            self._in_flight_steps[req_id] -= 1
-            if req_id in scheduled.sampling_req_ids:
+            request = requests[req_id]
+            in_flight[req_id] -= 1
+            if req_id in sampling:
                 request.num_output_placeholders -= 1
                 # A stop discovered on an earlier step's token (or an abort): this step was already in
                 # flight and sampled one more token for the request. Discard it, never emit it.
-                if not request.is_finished:
+                if request.status is not finished:
                     token = tokens[req_id]
-                    request.output_token_ids.append(token)
-                    reason = self._stop_reason(request, token)
-                    if reason is not None:
-                        self._finish(request, reason)
-                    deltas.append(RequestDelta(req_id, [token], reason.value if reason else None))
-            self._forget_if_done(request)
+                    outputs, params = request.output_token_ids, request.sampling_params
+                    outputs.append(token)
+                    # The stop conditions, inlined (this loop runs for every request on every step).
+                    if (token in eos and not params.ignore_eos) or token in params.stop_token_ids:
+                        reason = FinishReason.STOP
+                    elif (
+                        len(outputs) >= params.max_tokens
+                        or len(request.prompt_token_ids) + len(outputs) >= max_model_len
+                    ):
+                        reason = FinishReason.LENGTH
+                    else:
+                        deltas.append(RequestDelta(req_id, [token]))
+                        continue  # not finished: nothing to forget
+                    self._finish(request, reason)
+                    deltas.append(RequestDelta(req_id, [token], reason.value))
+            if request.status is finished:
+                self._forget_if_done(request)
         return deltas
-
-    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        params = request.sampling_params
-        if token in self.eos_token_ids and not params.ignore_eos:
-            return FinishReason.STOP
-        if token in params.stop_token_ids:
-            return FinishReason.STOP
-        if len(request.output_token_ids) >= params.max_tokens:
-            return FinishReason.LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
         was_running = request.status is RequestStatus.RUNNING

@@ -115,8 +115,11 @@ def test_a_recycled_slot_holds_nothing_of_its_previous_owner():
     one A wrote at the same position."""
     batch = InputBatch(CONFIG.max_num_seqs, CONFIG.max_model_len)
     batch.update(frozenset(), [state("a", [5, 6, 7], slot=0)])
-    batch.write_tokens(("a",), (3,), [41])
-    batch.write_tokens(("a",), (4,), [42])
+    first = build(step(0, {"a": 3}, {"a": 0}, batch), batch)
+    batch.write_tokens(first.req_ids, first.sample_positions, [41])
+    second = build(step(1, {"a": 1}, {"a": 3}, batch), batch)
+    batch.write_tokens(second.req_ids, second.sample_positions, [42])
+    assert batch.requests["a"].token_ids == [5, 6, 7, 41, 42]
     batch.update(frozenset({"a"}), [state("b", [9, 9, 9], slot=0)])
     assert batch.requests["b"].token_ids == [9, 9, 9]
     so = step(1, {"b": 1}, {"b": 3}, batch)  # B decodes position 3 before its token there is known
@@ -127,8 +130,9 @@ def test_a_late_write_back_for_a_removed_request_never_reaches_its_slots_new_own
     """Hazard: token ownership. A's step is materialized after A left and B took its slot."""
     batch = InputBatch(CONFIG.max_num_seqs, CONFIG.max_model_len)
     batch.update(frozenset(), [state("a", [5, 6, 7], slot=2), state("c", [8], slot=1)])
+    late = build(step(0, {"a": 3, "c": 1}, {"a": 0, "c": 0}, batch), batch)  # prefill, sampled, in flight
     batch.update(frozenset({"a"}), [state("b", [9, 9, 9], slot=2)])
-    batch.write_tokens(("a", "c"), (3, 1), [41, 43])  # A's late output: only C's row is written
+    batch.write_tokens(late.req_ids, late.sample_positions, [41, 43])  # A's late output: only C's row is written
     assert batch.requests["b"].token_ids == [9, 9, 9]
     assert batch.requests["c"].token_ids == [8, 43]
 

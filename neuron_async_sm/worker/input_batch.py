@@ -87,6 +87,7 @@ class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int) -> None:
         self.max_model_len = max_model_len
         self.requests: dict[str, CachedRequestState] = {}
+        self._slot_of: dict[str, int] = {}  # request id -> KV slot, for the write-back's lookup
         self.req_ids: list[str] = []  # row order, always condensed
         self.row_ids: tuple[str, ...] = ()  # the same, as the tuple a step's inputs carry
         self.row_slots = np.zeros(0, dtype=np.int64)  # [num_rows] KV slot of each row
@@ -108,6 +109,7 @@ class InputBatch:
         self.req_ids = next_row_order(self.req_ids, removed, [s.request_id for s in added])
         for req_id in removed:
             self.requests.pop(req_id)._batch = None
+            del self._slot_of[req_id]
         for state in added:
             self._add(state)
         self.row_ids = tuple(self.req_ids)
@@ -126,6 +128,7 @@ class InputBatch:
         self.seeds[slot] = state.seed
         state._batch = self
         self.requests[state.request_id] = state
+        self._slot_of[state.request_id] = slot
 
     def preview_order(self, removed: frozenset[str], added: list[str]) -> list[str]:
         """The row order `update()` would produce, without changing anything."""
@@ -139,7 +142,7 @@ class InputBatch:
         return tuple(r for r, k in zip(self.req_ids, keep.tolist(), strict=True) if k), self.row_slots[keep]
 
     def write_tokens(self, req_ids: tuple[str, ...], positions: tuple[int | None, ...], tokens: list[int]) -> None:
-        """Record sampled tokens: row i's token at positions[i] of request req_ids[i]; one scatter.
+        """Record sampled tokens: row i's at positions[i] of request req_ids[i]; one scatter.
 
         Hazard: token ownership. Addressed by request id, never by row: rows move between steps. A
         request no longer here (finished, aborted) is skipped, so its recycled KV slot never receives
@@ -147,13 +150,13 @@ class InputBatch:
         Idempotent: rewriting the same positions is harmless.
         """
         n = len(req_ids)
-        assert len(positions) == len(tokens) == n, (len(req_ids), len(positions), len(tokens))
-        get = self.requests.get
-        slots = np.fromiter(
-            (-1 if s is None else s.kv_slot for s in map(get, req_ids, repeat(None, n))), np.int64, n
-        )  # fmt: skip
-        pos = np.array(positions, dtype=np.float64)  # [n]; None -> nan
-        keep = (slots >= 0) & ~np.isnan(pos)
-        slots, rows_pos = slots[keep], pos[keep].astype(np.int64)
-        self.token_ids[slots, rows_pos] = np.asarray(tokens, dtype=np.int32)[keep]
-        self.num_tokens[slots] = np.maximum(self.num_tokens[slots], rows_pos + 1)
+        assert len(positions) == len(tokens) == n, (n, len(positions), len(tokens))
+        slots = np.fromiter(map(self._slot_of.get, req_ids, repeat(-1, n)), np.int64, n)  # [n]; -1: gone
+        at = np.array(positions, dtype=np.float64)  # [n]; None -> nan
+        values = np.asarray(tokens, dtype=np.int32)  # [n]
+        keep = (slots >= 0) & (at >= 0)  # nan compares False
+        if not keep.all():
+            slots, at, values = slots[keep], at[keep], values[keep]
+        rows_at = at.astype(np.int64)
+        self.token_ids[slots, rows_at] = values
+        self.num_tokens[slots] = np.maximum(self.num_tokens[slots], rows_at + 1)
