@@ -554,6 +554,25 @@ Next ==
 \* materializing an output never needs the engine loop to take another turn.
 Spec == Init /\ [][Next]_vars /\ WF_vars(OutputThread) /\ WF_vars(DeviceRun)
 
+\* The engine loop's own turns: scheduling, building inputs, waiting for and applying an output,
+\* and dying (after a failed program, the only turn left).
+EngineLoop ==
+    \/ NoPendingFuture \/ CompositionBreak \/ ShapeMismatchRebuild \/ ReorderRemap \/ Steady \/ Relay
+    \/ Reinstate \/ WaitOldest \/ AdvanceStep \/ Drain
+\* ENABLED EngineLoop, written out (TLC 2.15 fails evaluating ENABLED over Plans): every plan takes
+\* one of the path actions, so a step is possible exactly when the scheduler has a choice.
+EngineCanTurn ==
+    \/ StepReady /\ Schedules # {}
+    \/ pc["main"] = "exec"
+    \/ pc["main"] = "top" /\ batchQueue # <<>> /\ (Len(batchQueue) = Depth \/ Schedules = {})
+    \/ pc["main"] = "wait" /\ batchQueue # <<>> /\ Resolved(Head(batchQueue)) /\ steps[Head(batchQueue)].ok
+    \/ AllowFailure /\ pc["main"] \in drainable /\ outQueue = <<>> /\ pc["output"] = "get"
+\* Weak fairness of the engine loop, as a hypothesis of the property (WF_vars(EngineLoop) by its definition).
+EngineLoopFair == <>[]EngineCanTurn => []<><<EngineLoop>>_vars
+\* The main thread's get_output() alone: fair, while the async output thread may stop for ever.
+MainGetOutput == GetOutput("main") \/ GetOutputCached("main") \/ Materialize("main")
+SpecOutputMayStop == Init /\ [][Next]_vars /\ WF_vars(MainGetOutput) /\ WF_vars(DeviceRun)
+
 -----------------------------------------------------------------------------
 (* Invariants                                                                *)
 
@@ -599,15 +618,28 @@ PipelineDepthInv ==
 
 Paths == [s \in 1..Len(steps) |-> steps[s].path]
 Adjacent(a, b) == \E s \in 2..Len(steps) : Paths[s - 1] = a /\ Paths[s] = b
+\* r finished before max_tokens: by EOS / a stop token, or aborted (a witness model's MayStop tells which).
+StoppedEarly(r) == status[r] = "finished" /\ stopLen[r] < MaxTokens[r] /\ pc["main"] # "dead"
+\* ... while a step that samples for it is still in flight: that token must be discarded.
+StoppedInFlight(r) == StoppedEarly(r) /\ placeholders[r] > 0
+
 TwoSteadyStepsUnreached == ~Adjacent("Steady", "Steady")
 RemapBesideSteadyUnreached == ~(Adjacent("ReorderRemap", "Steady") \/ Adjacent("Steady", "ReorderRemap"))
-\* A request finished (EOS, stop token or abort) while a step that samples for it is in flight.
-DiscardedTokenUnreached == ~\E r \in ReqSet : status[r] = "finished" /\ placeholders[r] > 0 /\ pc["main"] # "dead"
+\* With MayStop excluding MayAbort: an abort, and an EOS, each with the request's next token in flight.
+AbortInFlightUnreached == ~\E r \in MayAbort : StoppedInFlight(r)
+EosInFlightUnreached == ~\E r \in ReqSet \ MayAbort : StoppedInFlight(r)
 \* A program failed while two steps were in flight.
 FailureWithTwoInFlightUnreached == ~\E s \in 1..Len(steps) : ~steps[s].ok /\ Len(batchQueue) = Depth
-\* Every path state the model's relay switch allows, in one behaviour.
+\* Every path state the relay switch allows (with it on, Relay takes every fallback's place), an
+\* abort and an EOS, in one behaviour.
 EveryPathStateUnreached ==
-    Range(Paths) # (IF AsyncRelay THEN PathStates ELSE PathStates \ {"Relay"})
+    ~/\ Range(Paths) = IF AsyncRelay THEN AsyncStates \cup {"NoPendingFuture"} ELSE PathStates \ {"Relay"}
+     /\ \E r \in MayAbort : StoppedEarly(r)
+     /\ \E r \in ReqSet \ MayAbort : StoppedEarly(r)
+
+\* Liveness: if the engine loop keeps turning, every admitted request eventually finishes (stop,
+\* length, abort or error). Under Spec: fairness for the output thread and the device.
+RequestsFinishProp == EngineLoopFair => \A r \in ReqSet : status[r] = "running" ~> status[r] = "finished"
 
 \* Liveness: every output of a step the device ran is eventually materialized.
 EventuallyMaterializedProp ==

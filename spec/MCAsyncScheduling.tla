@@ -13,6 +13,16 @@ MCBuckets == {2, 4}
 MCLivenessRequests == <<"a", "b">>
 MCLivenessMaxTokens == [r \in {"a", "b"} |-> 2]
 
+\* Request liveness: three requests, two slots (one waits for a slot), short outputs.
+MCRequestLivenessMaxTokens == [r \in {"a", "b", "c"} |-> IF r = "b" THEN 2 ELSE 1]
+
+\* Witness models: outputs long enough for two requests to settle into Steady decoding after the
+\* first leaves (MCMaxTokens reaches no Steady pair, and not every path state with an abort and an EOS).
+MCWitnessMaxTokens == [r \in {"a", "b", "c"} |-> IF r = "a" THEN 2 ELSE 4]
+MCSteadyMaxTokens == [r \in {"a", "b", "c"} |-> 4]
+\* Only requests that may not be aborted stop on EOS: an early stop of "b" is then an abort.
+MCStopNotAborted == {"a", "c"}
+
 \* TLC must find nothing to start from; used by the generated cross-check modules (ASSUMEs only).
 NoInit == Init /\ FALSE
 =============================================================================
