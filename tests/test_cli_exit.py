@@ -215,3 +215,14 @@ def test_a_full_disk_names_the_file_and_exits_1(tiny_filesystem):
     partial = out.with_name(out.name + ".partial")
     assert not out.exists() or out.read_text().endswith("\n"), "never a half-written final file"
     assert partial.exists(), "what finished before the disk filled up is kept"
+
+
+def test_diagram_without_dot_writes_the_source_and_says_how_to_render_it(tmp_path):
+    env = {**os.environ, "PATH": str(tmp_path)}  # no `dot` on this PATH
+    proc = subprocess.run(
+        [sys.executable, "-m", "neuron_async_sm", "diagram", "--output", str(tmp_path / "sm")],
+        cwd=REPO, capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "sm.dot").exists() and not (tmp_path / "sm.svg").exists()
+    assert "apt-get install graphviz" in proc.stderr and "dot -Tsvg" in proc.stderr
