@@ -30,6 +30,7 @@ from neuron_async_sm.model import (
 )
 from neuron_async_sm.model.config import model_directory
 from neuron_async_sm.model.loader import checkpoint_path
+from neuron_async_sm.model.program import RelayPad
 from neuron_async_sm.outputs import ModelRunnerOutput, RequestDelta, SchedulerOutput
 from neuron_async_sm.request import Request
 from neuron_async_sm.runtime import create_runtime
@@ -37,7 +38,13 @@ from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
 from neuron_async_sm.scheduler import Scheduler
 from neuron_async_sm.trace import Tracer
 from neuron_async_sm.worker.model_input import logits_dtype
-from neuron_async_sm.worker.model_runner import LOGITS_PROGRAM, STEP_PROGRAM, ModelRunner
+from neuron_async_sm.worker.model_runner import (
+    LOGITS_PROGRAM,
+    RELAY_PAD_PROGRAM,
+    STEP_PROGRAM,
+    ModelRunner,
+    relay_width,
+)
 
 logger = logging.getLogger("neuron_async_sm")
 
@@ -53,12 +60,17 @@ class EngineDeadError(NeuronAsyncSMError, RuntimeError):
 class StepProgramFactory:
     """Picklable: builds the step program inside the device (loads weights, allocates the KV cache)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, relay_width: int) -> None:
         self.spec = spec
+        self.relay_width = relay_width  # rows the relay pads the previous output to (compiling devices)
 
     def __call__(self, device: torch.device) -> dict:
         program = build_step_program(self.spec, device)
-        return {STEP_PROGRAM: program, LOGITS_PROGRAM: LogitsProgram(program)}
+        return {
+            STEP_PROGRAM: program,
+            LOGITS_PROGRAM: LogitsProgram(program),
+            RELAY_PAD_PROGRAM: RelayPad(self.relay_width, device),
+        }
 
 
 class LogitsProgram:
@@ -93,7 +105,7 @@ class EngineCore:
         spec = ModelSpec(config.model, config.dtype, config.max_num_seqs, config.max_model_len, config.seed)
         self.runtime = create_runtime(
             config.device,
-            StepProgramFactory(spec),
+            StepProgramFactory(spec, relay_width(config)),
             warmup=warmup_calls(config, self.model_config.vocab_size),  # compiling devices only
             queue_depth=config.runtime_queue_depth,
             device_time_ms=config.device_time_ms,
@@ -263,6 +275,8 @@ class EngineCore:
         }
         if self.config.async_scheduling:
             stats.update(self.runner.machine.counters())
+        if self.runtime.compiles_per_shape:  # programs compiled since warm-up ended: 0 unless it missed a shape
+            stats["compilations"] = self.runtime.stats().compilations
         return stats
 
     def _maybe_log_stats(self) -> None:

@@ -3,7 +3,9 @@
 A compiling device (XLA, Neuron) builds one program per input shape. Every shape the worker can
 enqueue follows from the config alone (`padded_input_shape`): `[decode bucket]` for an all-decode
 step, `[rows, prefill bucket]` for any other, rows in 1..max_num_seqs. Each call here is all padding
-(query_lens 0, the scratch slot), so running it writes only the scratch KV slot.
+(query_lens 0, the scratch slot), so running it writes only the scratch KV slot. With the relay on,
+its programs take the previous output padded to one row count (`relay_width`), so they too are one
+per input shape.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.runtime import TensorSpec, WarmupCall
 from neuron_async_sm.worker.model_input import INPUT_IDS_DTYPE, SAMPLED_DTYPE, ModelInput, logits_dtype
-from neuron_async_sm.worker.model_runner import LOGITS_PROGRAM, STEP_PROGRAM
+from neuron_async_sm.worker.model_runner import LOGITS_PROGRAM, RELAY_PAD_PROGRAM, STEP_PROGRAM, relay_width
 
 
 def warmup_shapes(config: EngineConfig) -> list[tuple[int, ...]]:
@@ -49,16 +51,38 @@ def padding_input(config: EngineConfig, shape: tuple[int, ...]) -> ModelInput:
 
 
 def warmup_calls(config: EngineConfig, vocab_size: int) -> list[WarmupCall]:
-    """One call per shape, of the program this config runs (on-device sampling or host-sampled logits)."""
-    calls = []
-    for shape in warmup_shapes(config):
-        model_input = padding_input(config, shape)
-        label = f"decode bucket {shape[0]}" if len(shape) == 1 else f"prefill {shape[0]} x {shape[1]}"
-        if config.on_device_sampling:
-            out = TensorSpec((shape[0],), SAMPLED_DTYPE)
-            feed = "input_ids" if len(shape) == 1 else None  # Steady: the sampled tokens are the next input
-            calls.append(WarmupCall(label, STEP_PROGRAM, model_input.program_inputs(), out, feed))
-        else:
+    """One call per shape, of the program this config runs (on-device sampling or host-sampled logits).
+
+    A decode call runs fed with its own output future (the Steady path's graph: input ids that are a
+    previous graph's output). With the relay on, each shape also runs as a relay step: its relay input
+    is a step's output padded to relay_width rows (RELAY_PAD_PROGRAM, compiled once per output row count).
+    """
+    if not config.on_device_sampling:
+        calls = []
+        for shape in warmup_shapes(config):
             out = TensorSpec((shape[0], vocab_size), logits_dtype(config.dtype))
-            calls.append(WarmupCall(label, LOGITS_PROGRAM, model_input.forward_inputs(), out))
-    return calls
+            calls.append(WarmupCall(_label(shape), LOGITS_PROGRAM, padding_input(config, shape).forward_inputs(), out))
+        return calls
+    width = relay_width(config)
+    relay = config.async_scheduling and config.async_relay
+    calls, relay_calls = [], []
+    for shape in warmup_shapes(config):
+        inputs = padding_input(config, shape).program_inputs()
+        out = TensorSpec((shape[0],), SAMPLED_DTYPE)
+        plain = WarmupCall(_label(shape), STEP_PROGRAM, inputs, out)
+        if len(shape) == 1:  # Steady: the sampled tokens are the next input
+            calls.append(WarmupCall(_label(shape), STEP_PROGRAM, {**inputs, "input_ids": plain}, out))
+        else:
+            calls.append(plain)
+        if relay and shape[0] <= width:  # no step has more rows than relay_width
+            # This shape's own output, padded, is the relay input: the pads of every output row count.
+            padded = WarmupCall(f"relay pad {shape[0]}", RELAY_PAD_PROGRAM, {"tokens": plain},
+                                TensorSpec((width,), SAMPLED_DTYPE))  # fmt: skip
+            rows = torch.full((shape[0],), -1, dtype=torch.int32)  # [rows] relays nothing: padding rows
+            relay_inputs = {**inputs, "relay_tokens": padded, "relay_rows": rows}
+            relay_calls.append(WarmupCall(f"relay {_label(shape)}", STEP_PROGRAM, relay_inputs, out))
+    return calls + relay_calls
+
+
+def _label(shape: tuple[int, ...]) -> str:
+    return f"decode bucket {shape[0]}" if len(shape) == 1 else f"prefill {shape[0]} x {shape[1]}"

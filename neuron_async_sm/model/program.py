@@ -160,6 +160,27 @@ class StepProgram:
             raise ValueError(f"positions must lie in [0, max_model_len={self.spec.max_model_len})")
 
 
+class RelayPad:
+    """The relay's padding program: a step's sampled tokens `[P]` -> `[width]` (rows P.. are 0).
+
+    On a device that compiles per shape, the relay's step program takes the previous output as an
+    input, so each (previous rows, input shape) pair would be its own program. Padded first, a relay
+    program's shape is its input's alone; this program is compiled once per P (a handful, tiny).
+    Rows keep their index, so a row map into `[P]` reads the same tokens from `[width]`.
+    """
+
+    def __init__(self, width: int, device: torch.device = HOST) -> None:
+        self.width = width
+        self.device = device
+
+    def __call__(self, *, tokens: torch.Tensor) -> torch.Tensor:
+        rows = tokens.shape[0]
+        if tokens.dim() != 1 or rows > self.width:
+            raise ValueError(f"relay_pad: tokens {tuple(tokens.shape)} must be 1-D with at most {self.width} rows")
+        tokens = tokens.to(self.device)
+        return torch.cat([tokens, tokens.new_zeros(self.width - rows)])  # [width]
+
+
 def build_step_program(spec: ModelSpec, device: torch.device = HOST) -> StepProgram:
     """Loads the config and weights named by `spec` and allocates its KV cache (zeros), on `device`."""
     config = load_model_config(spec.model)

@@ -66,17 +66,16 @@ class TensorSpec:
 class WarmupCall:
     """One call a compiling backend runs at start-up, so that serving never compiles.
 
-    The inputs are host tensors with the shapes and dtypes of a real call; the call runs for real
-    (it may write device state such as a scratch KV slot). Backends that do not compile skip it.
+    The inputs have the shapes and dtypes of a real call; the call runs for real (it may write device
+    state such as a scratch KV slot). An input that is itself a ``WarmupCall`` is that call's output
+    future, run first and fed device to device, as serving feeds one step's output to the next: a
+    device may compile a fed future apart from an uploaded tensor. Backends that do not compile skip it.
     """
 
     label: str  # what the call stands for, in the warm-up log ("decode bucket 4")
     program: str
-    inputs: Mapping[str, torch.Tensor]
+    inputs: Mapping[str, torch.Tensor | WarmupCall]
     out: TensorSpec
-    # Also run the call once more with its own output future as this input (the Steady path: the
-    # sampled tokens feed the next step). A device may compile a fed future apart from an upload.
-    feed_output_to: str | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +151,12 @@ class DeviceRuntime(ABC):
     @property
     @abstractmethod
     def queue_depth(self) -> int: ...
+
+    @property
+    def compiles_per_shape(self) -> bool:
+        """True where each input shape is its own compiled program (XLA, Neuron): a caller then keeps
+        the set of shapes it enqueues small and known at start-up (the warm-up's)."""
+        return False
 
     @abstractmethod
     def enqueue(self, program: str, inputs: Mapping[str, torch.Tensor | DeviceFuture], out: TensorSpec) -> DeviceFuture:

@@ -38,6 +38,7 @@ class DeviceOps(ABC):
     """What one kind of real device contributes to ``LocalRuntime``."""
 
     device: torch.device  # where programs' tensors live; the program factory is called with it
+    compiles: bool = False  # each input shape is its own compiled program (see compilations())
 
     @abstractmethod
     def launch(self, call: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, object]:
@@ -139,6 +140,10 @@ class LocalRuntime(DeviceRuntime):
     @property
     def queue_depth(self) -> int:
         return self._config.queue_depth
+
+    @property
+    def compiles_per_shape(self) -> bool:
+        return self._ops.compiles
 
     @property
     def device(self) -> torch.device:
@@ -342,10 +347,8 @@ class LocalRuntime(DeviceRuntime):
         started = time.perf_counter()
         for call in tqdm(calls, desc=f"compiling for {self._ops.device}", unit="program", disable=None):
             before, t0 = self._ops.compilations(), time.perf_counter()
-            futures = [self.enqueue(call.program, call.inputs, call.out)]
-            if call.feed_output_to is not None:
-                fed = {**call.inputs, call.feed_output_to: futures[0]}
-                futures.append(self.enqueue(call.program, fed, call.out))
+            futures: list[DeviceFuture] = []
+            self._enqueue_warmup(call, futures)
             try:
                 for future in futures:
                     future.to_host()
@@ -362,3 +365,12 @@ class LocalRuntime(DeviceRuntime):
             total = sum(r.compilations for r in records)
             logger.info("warm-up: %d calls, %d compiled, %.1f s", len(calls), total, time.perf_counter() - started)
         return tuple(records)
+
+    def _enqueue_warmup(self, call: WarmupCall, futures: list[DeviceFuture]) -> DeviceFuture:
+        """Enqueue ``call`` after the calls its inputs name (their futures fed as is); collects every future."""
+        inputs = {
+            name: self._enqueue_warmup(value, futures) if isinstance(value, WarmupCall) else value
+            for name, value in call.inputs.items()
+        }
+        futures.append(self.enqueue(call.program, inputs, call.out))
+        return futures[-1]

@@ -32,6 +32,8 @@ from .local_runtime import DeviceOps, LocalRuntime, Ready
 class XlaOps(DeviceOps):
     """The XLA device of this process (``torch_xla.device()``)."""
 
+    compiles = True
+
     def __init__(self) -> None:
         try:
             import torch_xla

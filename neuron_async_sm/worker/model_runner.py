@@ -30,8 +30,14 @@ from neuron_async_sm.worker.model_input import (
 
 STEP_PROGRAM = "model_step"  # forward + on-device sampling -> token ids [B] int32
 LOGITS_PROGRAM = "model_logits"  # forward only -> logits [B, vocab], sampled on the host
+RELAY_PAD_PROGRAM = "relay_pad"  # sampled tokens [P] -> [relay_width(config)]: the relay's input, fixed in shape
 # Sync mode (the reference) runs no machine: nothing is ever pending, every input is CPU-built.
 SYNC_PLAN = sm.StepPlan(materialize_first=False, input_source=sm.InputSource.CPU)
+
+
+def relay_width(config: EngineConfig) -> int:
+    """The most rows a step's output can have (a decode bucket of max_num_seqs rows; a prefill has fewer)."""
+    return config.decode_bucket(config.max_num_seqs)
 
 
 @dataclass(frozen=True)
@@ -165,8 +171,20 @@ class ModelRunner:
         if source is sm.InputSource.RELAYED_FUTURE:
             # The future is an ordinary program input, as in Steady; the program gathers from it.
             self._step_relay = self._relay_rows(model_input)
-            return {"relay_tokens": self.buffer.future, "relay_rows": torch.tensor(self._step_relay, dtype=torch.int32)}
+            rows = torch.tensor(self._step_relay, dtype=torch.int32)  # [B]
+            return {"relay_tokens": self._relay_tokens(), "relay_rows": rows}
         return {"input_ids": self._remap_pending(model_input)}  # InputSource.REMAPPED_FUTURE
+
+    def _relay_tokens(self) -> DeviceFuture:
+        """The pending future as the relay reads it: as is, or (a device that compiles per shape) padded
+        on the device to relay_width rows, so that a relay program's shape is its input's alone and
+        warm-up covers it; otherwise each (previous rows, input shape) pair compiles while serving."""
+        assert self.buffer is not None
+        future = self.buffer.future
+        if not self.runtime.compiles_per_shape:
+            return future
+        padded = TensorSpec((relay_width(self.config),), future.dtype)
+        return self.runtime.enqueue(RELAY_PAD_PROGRAM, {"tokens": future}, padded)  # rows keep their index
 
     def _relay_rows(self, model_input: ModelInput) -> list[int]:
         """The relay's row map: for each row (padding included), the pending future's row that sampled
