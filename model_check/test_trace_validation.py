@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -187,6 +188,22 @@ def test_trace_of_an_engine_writing_back_by_current_row_fails_an_invariant(tlc_a
     print(f"mutant, seed {seed}: {verdict.describe()}")
     assert verdict.violated_invariant in ("TokenOwnershipInv", "NoStaleInputInv"), verdict.describe()
     assert verdict.rejected_event["event"] == "reinstate", verdict.describe()
+
+
+def test_trace_of_an_engine_driven_from_another_thread_names_it_and_is_accepted(tlc_available, tmp_path):
+    """A server drives the engine from its own thread: the trace's header names that thread as the
+    engine loop, and the checker takes thread identity from the header, not from fixed names."""
+    path = tmp_path / "engine-thread.ndjson"
+    items = random_workload(random.Random(SEEDS[0]), "t")
+    with LLM("tiny-llama", async_scheduling=True, trace_path=str(path), **ENGINE) as llm:
+        loop = threading.Thread(target=drive, args=(llm, items), name="engine-loop")
+        loop.start()
+        loop.join()
+    events = read_trace(path)
+    assert engine_threads(events)[0] == "engine-loop"
+    assert {e["thread"] for e in events if e["event"] == "step"} == {"engine-loop"}
+    verdict = check_trace(events)
+    assert verdict.accepted, verdict.describe()
 
 
 def test_trace_of_an_engine_killed_by_a_failing_program_is_a_behaviour_of_the_spec(tlc_available, tmp_path):

@@ -74,7 +74,13 @@ StepEvent(e) ==
     /\ e.event = "step"
     /\ MachineEvent(e)
     /\ e.step = Len(steps)
-    /\ \/ NoPendingFuture \/ CompositionBreak \/ ShapeMismatchRebuild \/ ReorderRemap \/ Steady \/ Relay
+    \* only the action the event names: each would plan every schedule choice again
+    /\ CASE e.state = "NoPendingFuture" -> NoPendingFuture
+         [] e.state = "CompositionBreak" -> CompositionBreak
+         [] e.state = "ShapeMismatchRebuild" -> ShapeMismatchRebuild
+         [] e.state = "ReorderRemap" -> ReorderRemap
+         [] e.state = "Steady" -> Steady
+         [] e.state = "Relay" -> Relay
     /\ cur'.curr = e.req_ids
     /\ cur'.admitted = Range(e.new)
     /\ UNCHANGED engineCounts
@@ -148,7 +154,7 @@ Silent ==
           /\ \/ AddRequest /\ JustInTime
              \/ \E t \in Threads : GetOutput(t) /\ Enters(t)
              \/ \E t \in Threads : GetOutputCached(t)
-             \/ WaitOldest /\ NextIs({"AdvanceStep", "drain"})
+             \/ NextIs({"AdvanceStep", "drain"}) /\ WaitOldest  \* the cheap test first: WaitOldest plans
     /\ UNCHANGED <<l, engineCounts>>
 
 \* Report the furthest event matched so far (TLC register 1), once per new maximum.
