@@ -29,8 +29,10 @@ settings.load_profile(PROFILE)
 
 
 def pytest_report_header(config) -> str:
-    return f"hypothesis profile: {PROFILE} ({settings.default.max_examples} examples, " \
-           f"{settings.default.stateful_step_count} steps)"
+    return (
+        f"hypothesis profile: {PROFILE} ({settings.default.max_examples} examples, "
+        f"{settings.default.stateful_step_count} steps)"
+    )
 
 
 SOAK_REQUESTS = {"dev": 1_000, "ci": 4_000, "thorough": 40_000}

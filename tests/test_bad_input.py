@@ -177,7 +177,6 @@ def test_generate_returns_an_error_for_each_bad_request_and_completes_the_rest(l
     assert not llm.has_unfinished_requests()
 
 
-
 def test_a_rejected_request_does_not_shift_the_seeds_of_unseeded_requests():
     unseeded = PromptRequest([5, 6, 7], SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True), "u")
     with LLM("tiny-llama", **ENGINE) as a:
@@ -187,13 +186,11 @@ def test_a_rejected_request_does_not_shift_the_seeds_of_unseeded_requests():
     assert after_bad == alone
 
 
-
 def test_generate_rejects_a_duplicate_request_id_without_merging_outputs(llm):
     first = PromptRequest([5, 6, 7], GREEDY, "dup")
     outputs = llm.generate([first, PromptRequest([8, 9], GREEDY, "dup")])
     assert outputs[0].finish_reason == "length" and len(outputs[0].output_token_ids) == GREEDY.max_tokens
     assert outputs[1].finish_reason == "error" and outputs[1].error.startswith("request_id: ")
-
 
 
 def test_generate_returns_an_error_for_a_prompt_that_is_not_a_list(llm):

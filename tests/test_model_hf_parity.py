@@ -29,9 +29,17 @@ NEW_TOKENS = 12
 def save_hf_model(path: Path, *, seed: int = 0, **overrides) -> transformers.LlamaForCausalLM:
     """A small random LlamaForCausalLM (GQA: 4 heads on 2 KV heads) saved to `path` as safetensors."""
     torch.manual_seed(seed)
-    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  initializer_range=0.15, eos_token_id=None)  # wide init: varied greedy tokens; no early stop
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.15,
+        eos_token_id=None,
+    )  # wide init: varied greedy tokens; no early stop
     fields.update(overrides)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
     model.save_pretrained(path)
@@ -39,9 +47,14 @@ def save_hf_model(path: Path, *, seed: int = 0, **overrides) -> transformers.Lla
 
 
 def hf_greedy(model: transformers.LlamaForCausalLM, prompt: list[int]) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def ours_greedy(path: Path, dtype: str) -> list[list[int]]:
@@ -84,18 +97,28 @@ def test_sharded_safetensors_checkpoint_matches(tmp_path: Path) -> None:
 
 def test_llama3_rope_scaling_logits_match(tmp_path: Path) -> None:
     """Positions run past original_max_position_embeddings, where llama3 scaling changes low frequencies."""
-    rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                high_freq_factor=4.0, original_max_position_embeddings=8)
-    model = save_hf_model(tmp_path, head_dim=32, num_attention_heads=2, num_key_value_heads=1,
-                          rope_parameters=rope, seed=4)
+    rope = dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8,
+    )
+    model = save_hf_model(
+        tmp_path, head_dim=32, num_attention_heads=2, num_key_value_heads=1, rope_parameters=rope, seed=4
+    )
     assert load_model_config(str(tmp_path)).rope_scaling is not None
     program = build_step_program(ModelSpec(str(tmp_path), "float64", max_num_seqs=1, max_model_len=64))
     prompt = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model.double()(prompt).logits[0, -1]
-    ours = program.forward_logits(input_ids=prompt.int(), positions=torch.arange(40, dtype=torch.int32)[None],
-                                  query_lens=torch.tensor([40], dtype=torch.int32),
-                                  slot_ids=torch.tensor([0], dtype=torch.int32))[0]
+    ours = program.forward_logits(
+        input_ids=prompt.int(),
+        positions=torch.arange(40, dtype=torch.int32)[None],
+        query_lens=torch.tensor([40], dtype=torch.int32),
+        slot_ids=torch.tensor([0], dtype=torch.int32),
+    )[0]
     # HF computes RoPE angles in float32 even for a float64 model, hence not 1e-12.
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
 

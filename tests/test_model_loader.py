@@ -20,10 +20,21 @@ from neuron_async_sm.model import (
 )
 from neuron_async_sm.model.loader import random_state_dict
 
-CONFIG = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=48,
-              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-              rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
-              tie_word_embeddings=False)
+CONFIG = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
 
 
 def write_checkpoint(path: Path, **overrides) -> Path:
@@ -63,8 +74,9 @@ def test_config_defaults_and_eos_lists(tmp_path: Path) -> None:
 
 
 def test_rope_scaling_layouts(tmp_path: Path) -> None:
-    llama3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                  original_max_position_embeddings=64)
+    llama3 = dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+    )
     write_checkpoint(tmp_path / "old", rope_scaling=llama3, rope_theta=500000.0)
     write_checkpoint(tmp_path / "new", rope_parameters={**llama3, "rope_theta": 500000.0}, rope_theta=None)
     write_checkpoint(tmp_path / "default", rope_scaling={"rope_type": "default"})

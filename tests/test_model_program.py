@@ -65,10 +65,15 @@ class Request:
 
     def next_row(self, chunk: int) -> RowStep:
         if self.fed < len(self.prompt):
-            tokens = tuple(self.prompt[self.fed:self.fed + chunk])
+            tokens = tuple(self.prompt[self.fed : self.fed + chunk])
             return RowStep(tokens, self.fed, self.slot, output_index=0, **self.sampling)
-        return RowStep((self.out[-1],), len(self.prompt) + len(self.out) - 1, self.slot,
-                       output_index=len(self.out), **self.sampling)
+        return RowStep(
+            (self.out[-1],),
+            len(self.prompt) + len(self.out) - 1,
+            self.slot,
+            output_index=len(self.out),
+            **self.sampling,
+        )
 
     def take(self, row: RowStep, token: int) -> None:
         if self.fed < len(self.prompt):
@@ -80,10 +85,15 @@ class Request:
 
 def test_batched_mixed_steps_give_each_request_its_alone_tokens_float64() -> None:
     """Staggered arrivals: prefill chunks, decodes and padding rows share [8, 4] steps."""
-    samplings = [dict(), dict(temperature=0.8, seed=11), dict(temperature=1.0, top_k=20, seed=12),
-                 dict(), dict(temperature=0.7, top_p=0.9, seed=13), dict(temperature=1.3, seed=14)]
-    requests = [Request(prompt(3 + 2 * i, i), slot=(3 * i + 1) % SLOTS, sampling=s)
-                for i, s in enumerate(samplings)]
+    samplings = [
+        dict(),
+        dict(temperature=0.8, seed=11),
+        dict(temperature=1.0, top_k=20, seed=12),
+        dict(),
+        dict(temperature=0.7, top_p=0.9, seed=13),
+        dict(temperature=1.3, seed=14),
+    ]
+    requests = [Request(prompt(3 + 2 * i, i), slot=(3 * i + 1) % SLOTS, sampling=s) for i, s in enumerate(samplings)]
     new_tokens, chunk = 8, 4
     program = tiny("float64")
     for step in range(40):
@@ -103,8 +113,9 @@ def garbage_padding(step: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Fills every padding token (row padding and padding rows) with out-of-range ids and positions."""
     length = step["input_ids"].shape[1]
     pad = torch.arange(length)[None, :] >= step["query_lens"][:, None]
-    return dict(step, input_ids=step["input_ids"].masked_fill(pad, 123456),
-                positions=step["positions"].masked_fill(pad, 99999))
+    return dict(
+        step, input_ids=step["input_ids"].masked_fill(pad, 123456), positions=step["positions"].masked_fill(pad, 99999)
+    )
 
 
 def test_padding_never_writes_real_slots() -> None:

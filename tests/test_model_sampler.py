@@ -14,16 +14,20 @@ def logits_rows(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
 
 
-def sample(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, seeds=0,
-           output_index=0) -> torch.Tensor:
+def sample(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, seeds=0, output_index=0) -> torch.Tensor:
     n = logits.shape[0]
 
     def col(value, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(value, dtype=dtype).expand(n).clone()
 
-    return sample_tokens(logits, temperature=col(temperature, torch.float32), top_k=col(top_k, torch.int32),
-                         top_p=col(top_p, torch.float32), seeds=col(seeds, torch.int64),
-                         output_index=col(output_index, torch.int64))
+    return sample_tokens(
+        logits,
+        temperature=col(temperature, torch.float32),
+        top_k=col(top_k, torch.int32),
+        top_p=col(top_p, torch.float32),
+        seeds=col(seeds, torch.int64),
+        output_index=col(output_index, torch.int64),
+    )
 
 
 def test_splitmix64_matches_python_reference() -> None:
@@ -75,7 +79,7 @@ def test_same_seed_and_index_give_same_token_whatever_the_batch() -> None:
     alone = [int(sample(target, seeds=7, output_index=i)[0]) for i in range(30)]
     for i in range(30):
         others = logits_rows(5, seed=100 + i)
-        batch = torch.cat([others[:i % 5], target, others[i % 5:]])
+        batch = torch.cat([others[: i % 5], target, others[i % 5 :]])
         seeds = torch.tensor([90 + j for j in range(6)])
         seeds[i % 5] = 7
         index = torch.randint(0, 50, (6,), generator=torch.Generator().manual_seed(i))
@@ -84,8 +88,9 @@ def test_same_seed_and_index_give_same_token_whatever_the_batch() -> None:
         temperature[i % 5] = 1.0
         top_k = torch.tensor([0, 3, 0, 10, 0, 0], dtype=torch.int32)
         top_k[i % 5] = 0
-        got = sample_tokens(batch, temperature=temperature, top_k=top_k, top_p=torch.full((6,), 0.95),
-                            seeds=seeds, output_index=index)[i % 5]
+        got = sample_tokens(
+            batch, temperature=temperature, top_k=top_k, top_p=torch.full((6,), 0.95), seeds=seeds, output_index=index
+        )[i % 5]
         alone_with_top_p = int(sample(target, top_p=0.95, seeds=7, output_index=i)[0])
         assert int(got) == alone_with_top_p
     assert len(set(alone)) > 3  # the index really moves the sample
@@ -102,8 +107,7 @@ def test_frequencies_follow_softmax() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
     draws = 20000
     temperature = 0.8
-    tokens = sample(logits.expand(draws, 5), temperature=temperature, seeds=42,
-                    output_index=torch.arange(draws))
+    tokens = sample(logits.expand(draws, 5), temperature=temperature, seeds=42, output_index=torch.arange(draws))
     freq = torch.bincount(tokens, minlength=5).double() / draws
     expected = torch.softmax(logits[0].double() / temperature, -1)
     # 4 sigma of a binomial proportion at p <= 0.5, n = 20000 is about 0.014.

@@ -46,7 +46,6 @@ MAX_MODEL_LEN = SMALL_ENGINE["max_model_len"]
 MAX_STEPS_TO_IDLE = 2_000  # far above any example's need: reaching it means the engine stopped making progress
 
 
-
 def _prompt(length: int, seed: int) -> list[int]:
     return [random.Random(seed * 131 + i).randrange(VOCAB) for i in range(length)]
 

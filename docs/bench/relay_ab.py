@@ -1,5 +1,6 @@
 """Relay A/B (docs/benchmarks.md, "The relay"): sync, async without the relay, async with it, in one
 invocation, rotating the order per repetition. Usage: python docs/bench/relay_ab.py OUT.json churn:5 ..."""
+
 import json
 import statistics
 import sys
@@ -9,10 +10,23 @@ from neuron_async_sm.bench.runner import OtherLoad, ProbedLLM, batch_config, loa
 from neuron_async_sm.bench.workloads import DEFAULT_NUM_REQUESTS, build_workload
 from neuron_async_sm.model import load_model_config
 
-MODES = {"sync": dict(async_scheduling=False), "async-norelay": dict(async_scheduling=True, async_relay=False),
-         "async-relay": dict(async_scheduling=True, async_relay=True)}
-KEYS = ("tokens_per_s", "step_ms", "host_ms_per_step", "device_ms_per_step", "device_idle_ms_per_step",
-        "ttft_ms_p50", "tpot_ms_p50", "itl_ms_p99", "async_step_fraction")
+MODES = {
+    "sync": dict(async_scheduling=False),
+    "async-norelay": dict(async_scheduling=True, async_relay=False),
+    "async-relay": dict(async_scheduling=True, async_relay=True),
+}
+KEYS = (
+    "tokens_per_s",
+    "step_ms",
+    "host_ms_per_step",
+    "device_ms_per_step",
+    "device_idle_ms_per_step",
+    "ttft_ms_p50",
+    "tpot_ms_p50",
+    "itl_ms_p99",
+    "async_step_fraction",
+)
+
 
 def main(name, reps):
     n = DEFAULT_NUM_REQUESTS[name]
@@ -46,12 +60,16 @@ def main(name, reps):
         out["modes"][m] = row
     return out
 
+
 if __name__ == "__main__":
     results = [main(w, int(r)) for w, r in (a.split(":") for a in sys.argv[2:])]
     json.dump(results, open(sys.argv[1], "w"), indent=2)
     for res in results:
         print(res["workload"])
         for m, row in res["modes"].items():
-            shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
-                     if k not in ("speedups", "other_cpu")}
+            shown = {
+                k: (round(v, 3) if isinstance(v, float) else v)
+                for k, v in row.items()
+                if k not in ("speedups", "other_cpu")
+            }
             print(f"  {m:14s}", shown)

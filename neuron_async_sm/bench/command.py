@@ -199,9 +199,11 @@ def _print_compare(section: dict) -> None:
     print(f"{'':20s} {'sync':>10s} {'async':>10s}")
     for label, key, fmt in COMPARE_FIELDS:
         print(f"{label:20s} {fmt.format(section['sync'][key]):>10s} {fmt.format(section['async'][key]):>10s}")
-    print(f"speedup {section['speedup']:.3f} (ideal {section['ideal_speedup']:.3f}), "
-          f"overlap_efficiency {section['overlap_efficiency']:.2f}, D/C {section['D_over_C']:.2f}, "
-          f"async_step_fraction {section['async_step_fraction']:.3f}")
+    print(
+        f"speedup {section['speedup']:.3f} (ideal {section['ideal_speedup']:.3f}), "
+        f"overlap_efficiency {section['overlap_efficiency']:.2f}, D/C {section['D_over_C']:.2f}, "
+        f"async_step_fraction {section['async_step_fraction']:.3f}"
+    )
     bound, efficiency = section["ideal_speedup_with_transport"], section["overlap_efficiency_with_transport"]
     print(f"with the transport O = {section['O_ms']:.3f} ms/step counted as host time: ideal {bound:.3f}, "
           f"efficiency {efficiency:.2f}")  # fmt: skip

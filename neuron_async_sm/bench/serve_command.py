@@ -249,6 +249,7 @@ async def _drive(endpoints: list[tuple[str, str, str, tuple[int, ...]]], args: a
                                   timeout=spec.request_timeout_s) for _, url, _, _ in endpoints]  # fmt: skip
     targets = [Target(name, client, model, pids, functools.partial(server_counters, url))
                for (name, url, model, pids), client in zip(endpoints, clients, strict=True)]  # fmt: skip
+
     async def quiet(window_s: float = 1.0, timeout_s: float = 120.0) -> float:
         """OtherLoad.wait_for_quiet, awaiting its windows: Ctrl-C cancels the run at once (asyncio.run's
         SIGINT cancels the task, which a blocking wait, or one on an executor thread, would sit out)."""

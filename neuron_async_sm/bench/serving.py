@@ -110,7 +110,7 @@ async def stream_one(client, model: str, prompt: list[int], spec: LoadSpec) -> R
             async for line in response.iter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     break
                 event = json.loads(data)

@@ -55,8 +55,16 @@ class LlamaConfig:
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"LlamaConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -202,9 +210,7 @@ def _parse_rope(raw: dict[str, Any], where: Path) -> tuple[float, RopeScaling | 
             )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{where}: {field} {params!r} is malformed: {e!r}") from e
-    raise ModelLoadError(
-        f"{where}: {field} type {rope_type!r} is not supported (supported: default, linear, llama3)"
-    )
+    raise ModelLoadError(f"{where}: {field} type {rope_type!r} is not supported (supported: default, linear, llama3)")
 
 
 def _eos_token_ids(raw: dict[str, Any], model_dir: Path) -> tuple[int, ...]:

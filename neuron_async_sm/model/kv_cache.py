@@ -18,8 +18,14 @@ class KVCache:
     Nothing reads the scratch slot on behalf of a real row.
     """
 
-    def __init__(self, config: LlamaConfig, max_num_seqs: int, max_model_len: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        max_num_seqs: int,
+        max_model_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         shape = kv_cache_shape(config, max_num_seqs, max_model_len)
         # Zeros, so a read of a never-written position is deterministic.
         # k, v: [layers, max_num_seqs + 1, max_model_len, kv_heads, head_dim]
@@ -28,8 +34,7 @@ class KVCache:
         self.scratch_slot = max_num_seqs
         self.max_model_len = max_model_len
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores k, v `[B, L, kv_heads, head_dim]` at cache[layer, slots[b, j], positions[b, j]].
 
         slots/positions `[B, L]` int64. Caller routes padding tokens to the scratch slot; their duplicate
@@ -47,8 +52,10 @@ class KVCache:
         mask (key position <= query position) is what keeps them out of attention.
         """
         # index_select on the prefix view copies only context_len positions (3x faster than x[slot_ids]).
-        return (self.k[layer, :, :context_len].index_select(0, slot_ids),
-                self.v[layer, :, :context_len].index_select(0, slot_ids))
+        return (
+            self.k[layer, :, :context_len].index_select(0, slot_ids),
+            self.v[layer, :, :context_len].index_select(0, slot_ids),
+        )
 
 
 def kv_cache_shape(config: LlamaConfig, max_num_seqs: int, max_model_len: int) -> tuple[int, int, int, int, int]:

@@ -74,7 +74,7 @@ class LlamaModel:
         self.weights = weights
         self.rope = RopeTable.build(config, max_model_len, dtype).to(weights.embed_tokens.device)
         self.compute_dtype = compute_dtype_for(dtype)
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.head_dim**-0.5
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Writes the batch's K/V into `cache`; returns logits `[B, vocab]` of each row's last valid token."""
@@ -99,9 +99,16 @@ class LlamaModel:
         xc = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * xc.to(x.dtype)
 
-    def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch,
-                   rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                   cache: KVCache) -> torch.Tensor:
+    def _attention(
+        self,
+        index: int,
+        layer: LayerWeights,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: KVCache,
+    ) -> torch.Tensor:
         cfg = self.config
         b, length, _ = x.shape
         kv, heads, dim = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
@@ -114,8 +121,12 @@ class LlamaModel:
         keys, values = cache.read(index, batch.slot_ids, batch.context_len)  # [B, T, kv, D]
         # enable_gqa: query head h reads kv head h // (heads // kv), HF's repeat_kv order.
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=mask, scale=self.scale, enable_gqa=True,
+            q.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=True,
         )  # [B, heads, L, D]
         return F.linear(out.transpose(1, 2).reshape(b, length, heads * dim), layer.o_proj)
 

@@ -92,9 +92,7 @@ def checkpoint_path(model_dir: Path) -> Path:
     for name in (SAFETENSORS, SAFETENSORS_INDEX, PYTORCH_BIN_INDEX, PYTORCH_BIN):
         if (model_dir / name).is_file():
             return model_dir / name
-    raise ModelLoadError(
-        f"model directory {model_dir} has no checkpoint: looked for {', '.join(CHECKPOINT_FILES)}"
-    )
+    raise ModelLoadError(f"model directory {model_dir} has no checkpoint: looked for {', '.join(CHECKPOINT_FILES)}")
 
 
 def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -129,8 +127,9 @@ def _load_file(path: Path) -> dict[str, torch.Tensor]:
         raise ModelLoadError(f"cannot read checkpoint file {path}: {e}") from e
 
 
-def assemble_weights(state: dict[str, torch.Tensor], config: LlamaConfig, dtype: torch.dtype,
-                     where: str) -> LlamaWeights:
+def assemble_weights(
+    state: dict[str, torch.Tensor], config: LlamaConfig, dtype: torch.dtype, where: str
+) -> LlamaWeights:
     """Checks names and shapes against the config, casts to `dtype`, fuses q/k/v and gate/up."""
     shapes = expected_shapes(config)
     present = {name for name in state if not name.endswith(_IGNORED_SUFFIXES)}
@@ -142,12 +141,12 @@ def assemble_weights(state: dict[str, torch.Tensor], config: LlamaConfig, dtype:
     if missing:
         raise ModelLoadError(f"{where}: checkpoint is missing {len(missing)} tensor(s): {_preview(missing)}")
     if unexpected:
-        raise ModelLoadError(f"{where}: checkpoint has {len(unexpected)} unexpected tensor(s): "
-                             f"{_preview(unexpected)}")
+        raise ModelLoadError(f"{where}: checkpoint has {len(unexpected)} unexpected tensor(s): {_preview(unexpected)}")
     for name, shape in shapes.items():
         if tuple(state[name].shape) != shape:
-            raise ModelLoadError(f"{where}: tensor {name} has shape {tuple(state[name].shape)}, "
-                                 f"config.json implies {shape}")
+            raise ModelLoadError(
+                f"{where}: tensor {name} has shape {tuple(state[name].shape)}, config.json implies {shape}"
+            )
 
     def get(name: str) -> torch.Tensor:
         return state[name].to(dtype).contiguous()

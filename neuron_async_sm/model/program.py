@@ -38,8 +38,9 @@ class StepProgram:
     makes the extra positions contribute nothing.
     """
 
-    def __init__(self, spec: ModelSpec, config: LlamaConfig, model: LlamaModel, kv_cache: KVCache,
-                 device: torch.device = HOST):
+    def __init__(
+        self, spec: ModelSpec, config: LlamaConfig, model: LlamaModel, kv_cache: KVCache, device: torch.device = HOST
+    ):
         self.spec = spec
         self.config = config
         self.model = model
@@ -52,10 +53,21 @@ class StepProgram:
         """Slot index padding rows must use; equals spec.max_num_seqs."""
         return self.kv_cache.scratch_slot
 
-    def __call__(self, *, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: torch.Tensor,
-                 slot_ids: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 seeds: torch.Tensor, output_index: torch.Tensor, relay_tokens: torch.Tensor | None = None,
-                 relay_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        query_lens: torch.Tensor,
+        slot_ids: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        seeds: torch.Tensor,
+        output_index: torch.Tensor,
+        relay_tokens: torch.Tensor | None = None,
+        relay_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Sampled token ids, int32 `[B]`.
 
         input_ids, positions: int32 `[B]` (decode) or `[B, L]`; query_lens, slot_ids: int32 `[B]`;
@@ -67,12 +79,19 @@ class StepProgram:
             batch = self._prepare(input_ids, positions, query_lens, slot_ids, relay_tokens, relay_rows)
             logits = self.model.forward(batch, self.kv_cache)  # [B, vocab]
             dev = self.device
-            tokens = sample_tokens(logits, temperature=temperature.to(dev), top_k=top_k.to(dev),
-                                   top_p=top_p.to(dev), seeds=seeds.to(dev), output_index=output_index.to(dev))
+            tokens = sample_tokens(
+                logits,
+                temperature=temperature.to(dev),
+                top_k=top_k.to(dev),
+                top_p=top_p.to(dev),
+                seeds=seeds.to(dev),
+                output_index=output_index.to(dev),
+            )
             return tokens.masked_fill(query_lens.to(dev) == 0, 0).to(torch.int32)
 
-    def forward_logits(self, *, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: torch.Tensor,
-                       slot_ids: torch.Tensor) -> torch.Tensor:
+    def forward_logits(
+        self, *, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: torch.Tensor, slot_ids: torch.Tensor
+    ) -> torch.Tensor:
         """The same forward (including the KV writes) without sampling: logits `[B, vocab]`, for tests."""
         with self._no_autograd():
             batch = self._prepare(input_ids, positions, query_lens, slot_ids)
@@ -83,9 +102,15 @@ class StepProgram:
         # no_grad costs a little more bookkeeping on the host, so the host keeps inference_mode.
         return torch.inference_mode() if self.device.type == "cpu" else torch.no_grad()
 
-    def _prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: torch.Tensor,
-                 slot_ids: torch.Tensor, relay_tokens: torch.Tensor | None = None,
-                 relay_rows: torch.Tensor | None = None) -> ForwardBatch:
+    def _prepare(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        query_lens: torch.Tensor,
+        slot_ids: torch.Tensor,
+        relay_tokens: torch.Tensor | None = None,
+        relay_rows: torch.Tensor | None = None,
+    ) -> ForwardBatch:
         if input_ids.dim() == 1:
             input_ids, positions = input_ids.unsqueeze(1), positions.unsqueeze(1)
         b, length = input_ids.shape
@@ -125,16 +150,19 @@ class StepProgram:
         )
 
     @staticmethod
-    def _relayed(relay_tokens: torch.Tensor | None, relay_rows: torch.Tensor | None,
-                 query_lens: torch.Tensor) -> torch.Tensor | None:
+    def _relayed(
+        relay_tokens: torch.Tensor | None, relay_rows: torch.Tensor | None, query_lens: torch.Tensor
+    ) -> torch.Tensor | None:
         """The rows whose input token comes from `relay_tokens` (bool `[B]`), checked on the host."""
         if relay_tokens is None and relay_rows is None:
             return None
         if relay_tokens is None or relay_rows is None:
             raise ValueError("relay_tokens and relay_rows come together")
         if relay_tokens.dim() != 1 or relay_rows.shape != query_lens.shape:
-            raise ValueError(f"relay inputs: relay_tokens {tuple(relay_tokens.shape)} must be 1-D and relay_rows "
-                             f"{tuple(relay_rows.shape)} one per row")
+            raise ValueError(
+                f"relay inputs: relay_tokens {tuple(relay_tokens.shape)} must be 1-D and relay_rows "
+                f"{tuple(relay_rows.shape)} one per row"
+            )
         rows = relay_rows.long()
         if bool(((rows < -1) | (rows >= relay_tokens.shape[0])).any()):
             raise ValueError(f"relay_rows {rows.tolist()} must lie in [-1, {relay_tokens.shape[0]})")
@@ -143,8 +171,9 @@ class StepProgram:
             raise ValueError(f"relay_rows {rows.tolist()}: only a row of one token (a decode) is relayed")
         return relayed
 
-    def _check(self, ids: torch.Tensor | None, pos: torch.Tensor, query_lens: torch.Tensor, slot_ids: torch.Tensor,
-               length: int) -> None:
+    def _check(
+        self, ids: torch.Tensor | None, pos: torch.Tensor, query_lens: torch.Tensor, slot_ids: torch.Tensor, length: int
+    ) -> None:
         if bool(((query_lens < 0) | (query_lens > length)).any()):
             raise ValueError(f"query_lens {query_lens.tolist()} must lie in [0, {length}]")
         if bool(((slot_ids < 0) | (slot_ids > self.scratch_slot)).any()):

@@ -47,8 +47,15 @@ def uniform_noise(seeds: torch.Tensor, output_index: torch.Tensor, vocab_size: i
     return (_shr(bits, 11).double() + 0.5) * 2.0**-53  # 53 random bits; +0.5 keeps 0 and 1 out
 
 
-def sample_tokens(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, seeds: torch.Tensor, output_index: torch.Tensor) -> torch.Tensor:
+def sample_tokens(
+    logits: torch.Tensor,
+    *,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    output_index: torch.Tensor,
+) -> torch.Tensor:
     """One token per row, int64 `[B]`, from logits `[B, vocab]` (float32 or float64).
 
     temperature `[B]` (0 -> greedy argmax), top_k `[B]` (0 -> off), top_p `[B]` (1.0 -> off),
@@ -73,8 +80,9 @@ def sample_tokens(logits: torch.Tensor, *, temperature: torch.Tensor, top_k: tor
     return torch.where(greedy, greedy_tokens, sampled)
 
 
-def _filtered_out(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  k_on: torch.Tensor, p_on: torch.Tensor) -> torch.Tensor:
+def _filtered_out(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k_on: torch.Tensor, p_on: torch.Tensor
+) -> torch.Tensor:
     """Bool `[B, vocab]`: tokens outside the row's top-k, or outside the smallest set with mass >= top_p."""
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(scaled.shape[-1], device=scaled.device).unsqueeze(0)  # [1, vocab]

@@ -124,7 +124,7 @@ class ProcessChannel(HostChannel):
             # before refusing to start a process): the script's module-level code started an engine.
             raise DeviceStartupError(
                 "the device is a spawned process, which re-runs your script's module-level code: put the code "
-                "that creates the LLM under `if __name__ == \"__main__\":` (see the README's Python example)"
+                'that creates the LLM under `if __name__ == "__main__":` (see the README\'s Python example)'
             )
         ctx = multiprocessing.get_context("spawn")
         # Hazard: two threads reaping the same child (close() in stop, the receiver in describe_exit)

@@ -274,6 +274,7 @@ def build_app(server: Server) -> FastAPI:
                                         choices=[choice] if choices else [], usage=usage)  # fmt: skip
 
         if body.stream:
+
             async def events() -> AsyncIterator[str]:
                 n = 0
                 try:
@@ -316,6 +317,7 @@ def build_app(server: Server) -> FastAPI:
             return p.ChatCompletionChunk(id=stream.request_id, model=settings.model_name, choices=[choice])
 
         if body.stream:
+
             async def events() -> AsyncIterator[str]:
                 n = 0
                 try:

@@ -77,11 +77,7 @@ def composition_changed(obs: StepObservation) -> bool:
 
 
 def shape_mismatch(obs: StepObservation) -> bool:
-    return (
-        not obs.all_decode
-        or obs.pending_shape != obs.input_shape
-        or obs.pending_dtype != obs.input_dtype
-    )
+    return not obs.all_decode or obs.pending_shape != obs.input_shape or obs.pending_dtype != obs.input_dtype
 
 
 def order_changed(obs: StepObservation) -> bool:

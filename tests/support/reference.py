@@ -24,8 +24,9 @@ class RowStep:
     output_index: int = 0  # index, within the request's output, of the token this step samples
 
 
-def pack_step(rows: Sequence[RowStep], scratch_slot: int, num_rows: int | None = None,
-              length: int | None = None) -> dict[str, torch.Tensor]:
+def pack_step(
+    rows: Sequence[RowStep], scratch_slot: int, num_rows: int | None = None, length: int | None = None
+) -> dict[str, torch.Tensor]:
     """StepProgram kwargs for `rows`, padded to `num_rows` rows and `length` tokens per row.
 
     Padding rows have query_len 0 and the scratch slot; padding tokens have id 0 and position 0,
@@ -51,13 +52,31 @@ def pack_step(rows: Sequence[RowStep], scratch_slot: int, num_rows: int | None =
         query_lens[b], slot_ids[b] = n, row.slot
         temperature[b], top_k[b], top_p[b] = row.temperature, row.top_k, row.top_p
         seeds[b], output_index[b] = row.seed, row.output_index
-    return dict(input_ids=ids, positions=positions, query_lens=query_lens, slot_ids=slot_ids,
-                temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, output_index=output_index)
+    return dict(
+        input_ids=ids,
+        positions=positions,
+        query_lens=query_lens,
+        slot_ids=slot_ids,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seeds=seeds,
+        output_index=output_index,
+    )
 
 
-def generate_alone(program: StepProgram, prompt: Sequence[int], max_new_tokens: int, *, slot: int = 0,
-                   prefill_chunk: int | None = None, temperature: float = 0.0, top_k: int = 0,
-                   top_p: float = 1.0, seed: int = 0) -> list[int]:
+def generate_alone(
+    program: StepProgram,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    *,
+    slot: int = 0,
+    prefill_chunk: int | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> list[int]:
     """One request run alone: prefill (in chunks of `prefill_chunk`), then decode one token per call.
 
     The synchronous reference an engine must match token for token. Does not stop at EOS.
@@ -66,7 +85,7 @@ def generate_alone(program: StepProgram, prompt: Sequence[int], max_new_tokens: 
     chunk = prefill_chunk or len(prompt)
     token = 0
     for start in range(0, len(prompt), chunk):
-        row = RowStep(tuple(prompt[start:start + chunk]), start, slot, output_index=0, **sampling)
+        row = RowStep(tuple(prompt[start : start + chunk]), start, slot, output_index=0, **sampling)
         token = int(program(**pack_step([row], program.scratch_slot))[0])
     out = [token]
     while len(out) < max_new_tokens:
