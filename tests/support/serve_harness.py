@@ -18,7 +18,7 @@ from pathlib import Path
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # tests/support/ -> the repository
 SPECIAL = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2: the checkpoint's bos 1 and eos 2
 ROLES = ["system", "user", "assistant"]
 WORDS = [f"w{i}" for i in range(len(SPECIAL), 64 - len(ROLES))]
