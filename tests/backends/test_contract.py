@@ -30,9 +30,12 @@ class Heavy:
         gen = torch.Generator().manual_seed(seed)
         return torch.randn(self.size, self.size, generator=gen) / self.size**0.5  # [size, size]
 
-    def warm(self, runtime) -> None:
-        """Run heavy once: a compiling backend compiles it here, not inside a timed section."""
+    def warm(self, runtime) -> float:
+        """Run heavy twice: a compiling backend compiles it in the first; returns the second's seconds."""
         runtime.enqueue("heavy", {"x": self.input()}, self.spec).to_host()
+        started = time.perf_counter()
+        runtime.enqueue("heavy", {"x": self.input()}, self.spec).to_host()
+        return time.perf_counter() - started
 
 
 @pytest.fixture
@@ -149,7 +152,7 @@ def test_a_float_where_an_integer_was_expected_fails_the_program(runtime):
 def test_the_bounded_queue_blocks_instead_of_dropping(backend, heavy):
     depth = 2
     with create_runtime(backend.name, ContractPrograms(), queue_depth=depth) as runtime:
-        heavy.warm(runtime)
+        run_s = heavy.warm(runtime)
         inputs = [heavy.input(10 + i) for i in range(depth + 1)]
         futures = [runtime.enqueue("heavy", {"x": inputs[i]}, heavy.spec) for i in range(depth)]
         seen: dict[str, bool] = {}
@@ -161,8 +164,10 @@ def test_the_bounded_queue_blocks_instead_of_dropping(backend, heavy):
         extra = threading.Thread(target=one_more, daemon=True)
         extra.start()
         if backend.asynchronous:
-            extra.join(timeout=0.05)
-            assert extra.is_alive(), "enqueue past queue_depth returned while the queue was full"
+            # A fraction of one program's time: on a fast machine heavy may take well under 50 ms, and
+            # the oldest finishing (which frees the slot) is then no longer a bug.
+            extra.join(timeout=min(0.05, run_s / 4))
+            assert extra.is_alive(), f"enqueue past queue_depth returned while the queue was full ({run_s=:.3f})"
         extra.join(timeout=60)
         assert seen == {"oldest done when it returned": True}
         for x, future in zip(inputs, futures, strict=True):  # nothing dropped, nothing mixed up
