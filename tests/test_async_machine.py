@@ -53,8 +53,8 @@ def test_machine_and_pure_decision_agree_and_count():
     machine = sm.AsyncStepMachine()
     seq = [obs(pending=False), obs(pshape=(2,)), obs(), obs(), obs(curr=("b", "a")), obs(curr=("a",))]
     for o in seq:
-        assert machine.begin_step(o) == sm.decide(o)
-        machine.end_step()
+        assert machine.step(o) == sm.decide(o)
+        machine.reinstate()
     assert machine.async_steps == 2
     assert machine.sync_fallback_steps == 4
     assert machine.state_counts == {
@@ -66,11 +66,11 @@ def test_machine_and_pure_decision_agree_and_count():
 def test_illegal_triggers_raise_and_leave_the_state_unchanged():
     machine = sm.AsyncStepMachine()
     with pytest.raises(MachineError):
-        machine.end_step()  # reinstate from Idle
+        machine.reinstate()  # reinstate from Idle
     assert machine.state == sm.IDLE
-    machine.begin_step(obs(pending=False))
+    machine.step(obs(pending=False))
     with pytest.raises(MachineError):
-        machine.begin_step(obs())  # step twice without reinstate
+        machine.step(obs())  # step twice without reinstate
     assert machine.state == sm.NO_PENDING_FUTURE
     assert machine.sync_fallback_steps == 1
 
@@ -78,7 +78,7 @@ def test_illegal_triggers_raise_and_leave_the_state_unchanged():
 def test_observation_must_match_the_buffer_state():
     machine = sm.AsyncStepMachine()
     with pytest.raises(ValueError, match="has_pending"):
-        machine.begin_step(obs())
+        machine.step(obs())
 
 
 def test_steady_and_relay_are_the_async_steps():
@@ -94,9 +94,9 @@ def test_every_path_state_has_one_plan_and_only_path_states_have_one():
 def test_transition_callback_reports_every_transition():
     seen = []
     machine = sm.AsyncStepMachine(on_transition=lambda *t: seen.append(t))
-    machine.begin_step(obs(pending=False))
-    machine.end_step()
-    machine.drop_pending()
+    machine.step(obs(pending=False))
+    machine.reinstate()
+    machine.drain()
     assert seen == [
         ("step", sm.IDLE, sm.NO_PENDING_FUTURE),
         ("reinstate", sm.NO_PENDING_FUTURE, sm.REINSTATE),

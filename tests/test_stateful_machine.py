@@ -82,7 +82,7 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
         obs = self._observe(step, relay)
         note(f"step -> {dest}: {obs}")
         assert sm.decide(obs) == dest
-        assert self.machine.begin_step(obs) == dest
+        assert self.machine.step(obs) == dest
         self.expected.append(("step", self.state, dest))
         self.state, self.current = dest, step
         self.counts[dest] += 1
@@ -167,14 +167,14 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
     @precondition(lambda self: self.state in sm.PATH_STATES)
     @rule()
     def reinstate(self) -> None:
-        self.machine.end_step()
+        self.machine.reinstate()
         self.expected.append(("reinstate", self.state, sm.REINSTATE))
         self.state, self.pending, self.current = sm.REINSTATE, self.current, None
 
     @rule()
     def drain(self) -> None:
         """A failure or shutdown, at any point: the pending future is dropped."""
-        self.machine.drop_pending()
+        self.machine.drain()
         self.expected.append(("drain", self.state, sm.IDLE))
         self.state, self.pending, self.current = sm.IDLE, None, None
 
@@ -186,14 +186,14 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
         before = (self.machine.state, self.machine.counters())
         if self.state in REST_STATES:
             with pytest.raises(MachineError):
-                self.machine.end_step()
+                self.machine.reinstate()
             lying = sm.StepObservation(self.pending is None, ("z",) if self.pending is None else (),
                                        req_ids, True, (1,), SAMPLED, (len(req_ids),), SAMPLED)  # fmt: skip
             with pytest.raises(ValueError, match="has_pending"):
-                self.machine.begin_step(lying)
+                self.machine.step(lying)
         else:
             with pytest.raises(MachineError):
-                self.machine.begin_step(self._observe(decode(req_ids)))
+                self.machine.step(self._observe(decode(req_ids)))
         assert (self.machine.state, self.machine.counters()) == before
 
     # -- invariants ---------------------------------------------------------------------------------

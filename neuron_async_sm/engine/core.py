@@ -230,7 +230,7 @@ class EngineCore:
         logger.error("engine failed: %s", reason)
         self.dead_reason = reason
         self._stop(force=False)
-        self.executor.drop_pending()
+        self.executor.drain()
         return self.scheduler.fail_all(reason)
 
     def _stop(self, *, force: bool) -> None:
@@ -247,7 +247,7 @@ class EngineCore:
         in_flight = [future for _, future in self.batch_queue or ()]
         if self.batch_queue:
             self.batch_queue.clear()
-        # Hazard: a half-materialized output. fail_all() and drop_pending() must not run while the
+        # Hazard: a half-materialized output. fail_all() and drain() must not run while the
         # output thread still writes a step's tokens back: wait until every in-flight step resolved.
         deadline = time.monotonic() + TEARDOWN_WAIT_S
         late = 0

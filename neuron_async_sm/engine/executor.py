@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from neuron_async_sm.outputs import ModelRunnerOutput, SchedulerOutput
 from neuron_async_sm.runtime import keep_off_cpu
@@ -23,6 +24,14 @@ _STOP = object()
 logger = logging.getLogger("neuron_async_sm")
 
 
+@dataclass(frozen=True)
+class PendingOutput:
+    """One step's output handed to the async output thread, and the Future it resolves."""
+
+    output: AsyncModelRunnerOutput  # still a device future; get_output() materializes it
+    result: Future[ModelRunnerOutput]  # what the engine core waits on
+
+
 class Executor:
     """Runs `execute_model` + `sample_tokens` on every rank; returns the output rank's result."""
 
@@ -32,7 +41,7 @@ class Executor:
         self.runners = runners
         self.output_rank = output_rank
         self._device_cpu = device_cpu
-        self._output_queue: queue.Queue | None = None
+        self._output_queue: queue.Queue[PendingOutput | object] | None = None
         self._output_thread: threading.Thread | None = None
         if async_output:
             self._output_queue = queue.Queue()
@@ -55,7 +64,7 @@ class Executor:
         output = self.sample_tokens()
         assert isinstance(output, AsyncModelRunnerOutput)
         result: Future[ModelRunnerOutput] = Future()
-        self._output_queue.put((output, result))
+        self._output_queue.put(PendingOutput(output, result))
         return result
 
     def _async_output_loop(self) -> None:
@@ -70,15 +79,15 @@ class Executor:
             item = self._output_queue.get()
             if item is _STOP:
                 return
-            output, result = item
+            assert isinstance(item, PendingOutput)
             try:
-                result.set_result(output.get_output())
+                item.result.set_result(item.output.get_output())
             except BaseException as exc:  # surfaced to the engine core, never swallowed
-                result.set_exception(exc)
+                item.result.set_exception(exc)
 
-    def drop_pending(self) -> None:
+    def drain(self) -> None:
         for runner in self.runners:
-            runner.drop_pending()
+            runner.drain()
 
     def shutdown(self, timeout_s: float = 2.0) -> None:
         """Stop the async output thread after the outputs queued before; waits at most `timeout_s`.

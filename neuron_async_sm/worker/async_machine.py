@@ -158,7 +158,8 @@ def decide(obs: StepObservation) -> str:
 class AsyncStepMachine:
     """The runtime guard: a `transitions` machine over TRANSITIONS, with step counters.
 
-    Illegal triggers raise `transitions.MachineError` and leave the state unchanged.
+    Its three calls are the table's triggers: `step(obs)`, `reinstate()`, `drain()`. Illegal triggers
+    raise `transitions.MachineError` and leave the state unchanged.
     """
 
     def __init__(self, on_transition: Callable[[str, str, str], None] | None = None) -> None:
@@ -166,36 +167,27 @@ class AsyncStepMachine:
         self.sync_fallback_steps = 0
         self.state_counts: dict[str, int] = {s: 0 for s in PATH_STATES}
         self._on_transition = on_transition
-        self._obs: StepObservation | None = None
+        # The transitions machine is its own model: it holds the state and the bound triggers, so
+        # this class's methods can carry the triggers' own names.
         self.machine = Machine(
-            model=self,
             states=list(STATES),
-            transitions=[dict(row) for row in TRANSITIONS],
+            transitions=[_machine_row(row) for row in TRANSITIONS],
             initial=IDLE,
             auto_transitions=False,
             send_event=True,
-            after_state_change="_after_state_change",
+            after_state_change=self._after_state_change,
         )
 
-    # Conditions used by the machine: the same predicates as decide().
-    def relay_covers(self, event) -> bool:
-        return relay_covers(event.kwargs["obs"])
+    @property
+    def state(self) -> str:
+        return self.machine.state
 
-    def composition_changed(self, event) -> bool:
-        return composition_changed(event.kwargs["obs"])
-
-    def shape_mismatch(self, event) -> bool:
-        return shape_mismatch(event.kwargs["obs"])
-
-    def order_changed(self, event) -> bool:
-        return order_changed(event.kwargs["obs"])
-
-    def begin_step(self, obs: StepObservation) -> str:
+    def step(self, obs: StepObservation) -> str:
         """Fire `step` with the observation; return the path state and count the step."""
         source = self.state
         if source in (IDLE, REINSTATE) and (source == REINSTATE) != obs.has_pending:
             raise ValueError(f"observation has_pending={obs.has_pending} contradicts machine state {source}")
-        self.step(obs=obs)  # type: ignore[attr-defined]  # trigger added by transitions
+        self.machine.step(obs=obs)  # type: ignore[attr-defined]  # trigger added by transitions
         path = self.state
         self.state_counts[path] += 1
         if path in ASYNC_STATES:
@@ -204,11 +196,11 @@ class AsyncStepMachine:
             self.sync_fallback_steps += 1
         return path
 
-    def end_step(self) -> None:
-        self.reinstate()  # type: ignore[attr-defined]
+    def reinstate(self) -> None:
+        self.machine.reinstate()  # type: ignore[attr-defined]
 
-    def drop_pending(self) -> None:
-        self.drain()  # type: ignore[attr-defined]
+    def drain(self) -> None:
+        self.machine.drain()  # type: ignore[attr-defined]
 
     def counters(self) -> dict:
         return {
@@ -220,3 +212,12 @@ class AsyncStepMachine:
     def _after_state_change(self, event) -> None:
         if self._on_transition is not None:
             self._on_transition(event.event.name, event.transition.source, event.transition.dest)
+
+
+def _machine_row(row: dict) -> dict:
+    """A TRANSITIONS row for `transitions`: the condition's name becomes its predicate (same as decide())."""
+    row = dict(row)
+    if "conditions" in row:
+        predicate = CONDITIONS[row["conditions"]]
+        row["conditions"] = lambda event, predicate=predicate: predicate(event.kwargs["obs"])
+    return row

@@ -131,14 +131,14 @@ class ModelRunner:
             return output.get_output()  # Normal Flow: block on the host copy
         # Reinstate: whatever path this step took, the next one can go async again.
         self.buffer = AsyncExecutionBuffer(executed.future, model_input.req_ids, output)
-        self.machine.end_step()
+        self.machine.reinstate()
         return output
 
-    def drop_pending(self) -> None:
+    def drain(self) -> None:
         """Forget the pending future (after a failure or on shutdown)."""
         self.buffer = None
         self._executed = None
-        self.machine.drop_pending()
+        self.machine.drain()
 
     # -- async plan ---------------------------------------------------------------------------------
 
@@ -158,7 +158,7 @@ class ModelRunner:
             input_dtype=str(SAMPLED_DTYPE),
             relay=self.config.async_relay,
         )
-        return self.machine.begin_step(obs)
+        return self.machine.step(obs)
 
     def _future_inputs(self, source: sm.InputSource, model_input: ModelInput) -> dict[str, object]:
         """The program inputs the plan's input source replaces or adds; none for CPU-built inputs."""
