@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from support.faulty_runtime import faulty_runtime
 from support.workloads import drive, random_workload
 from tlc import PARALLEL_RUNS
 from trace_check import POISON_TOKEN, TraceVerdict, check_trace, engine_threads, read_trace
@@ -208,7 +209,9 @@ def test_trace_of_an_engine_driven_from_another_thread_names_it_and_is_accepted(
 
 def test_trace_of_an_engine_killed_by_a_failing_program_is_a_behaviour_of_the_spec(tlc_available, tmp_path):
     path = tmp_path / "failure.ndjson"
-    with LLM("tiny-llama", async_scheduling=True, trace_path=str(path), **ENGINE) as llm:
+    with LLM(
+        "tiny-llama", async_scheduling=True, trace_path=str(path), runtime_factory=faulty_runtime, **ENGINE
+    ) as llm:
         for i in range(4):
             llm.add_request([5 + i] * (3 + 11 * i), SamplingParams(max_tokens=12, ignore_eos=True), f"r{i}")
         for _ in range(3):

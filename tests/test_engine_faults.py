@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from support.faulty_runtime import faulty_runtime
 
 from neuron_async_sm import LLM, EngineDeadError, SamplingParams
 
@@ -14,7 +15,7 @@ PARAMS = SamplingParams(max_tokens=30, ignore_eos=True)
 @pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("device", ["cpu", "cpu-inprocess"])
 def test_program_failure_errors_every_request_and_kills_the_engine(device, async_scheduling):
-    llm = LLM("tiny-llama", device=device, async_scheduling=async_scheduling)
+    llm = LLM("tiny-llama", device=device, async_scheduling=async_scheduling, runtime_factory=faulty_runtime)
     try:
         for i in range(4):
             llm.add_request([5 + i, 6, 7], PARAMS, f"r{i}")

@@ -83,7 +83,7 @@ class ScriptedChannel:
 
 def run(program: str, seq: int, **inputs: torch.Tensor | int) -> RunProgram:
     wire = {k: FutureRef(v) if isinstance(v, int) else WireTensor.encode(v) for k, v in inputs.items()}
-    return RunProgram(seq, program, wire, (4,), torch.int32, inject_failure=False)
+    return RunProgram(seq, program, wire, (4,), torch.int32)
 
 
 def x4() -> torch.Tensor:

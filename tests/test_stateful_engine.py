@@ -37,6 +37,7 @@ from support.engine_invariants import (
     engine_threads,
     step_or_hang,
 )
+from support.faulty_runtime import faulty_runtime
 
 from neuron_async_sm import LLM, EngineDeadError, InvalidRequestError, SamplingParams
 from neuron_async_sm.worker import async_machine as sm
@@ -95,7 +96,14 @@ def reference() -> Reference:
 
 def _new_engine(device: str) -> tuple[LLM, Spy, set[threading.Thread]]:
     before = set(threading.enumerate())
-    llm = LLM("tiny-llama", device=device, async_scheduling=True, **SMALL_ENGINE, **ENGINE_EXTRA[device])
+    llm = LLM(
+        "tiny-llama",
+        device=device,
+        async_scheduling=True,
+        runtime_factory=faulty_runtime,  # the inject_failure rule's seam
+        **SMALL_ENGINE,
+        **ENGINE_EXTRA[device],
+    )
     COVERAGE["engines started"] += 1
     return llm, Spy(llm), engine_threads(before)
 

@@ -33,7 +33,7 @@ from neuron_async_sm.model.loader import checkpoint_path
 from neuron_async_sm.model.program import RelayPad
 from neuron_async_sm.outputs import ModelRunnerOutput, RequestDelta, SchedulerOutput
 from neuron_async_sm.request import Request
-from neuron_async_sm.runtime import create_runtime
+from neuron_async_sm.runtime import RuntimeFactory, create_runtime
 from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
 from neuron_async_sm.scheduler import Scheduler
 from neuron_async_sm.trace import Tracer
@@ -97,13 +97,14 @@ def _check_before_device_start(config: EngineConfig, model: LlamaConfig) -> Engi
 class EngineCore:
     """Scheduler + executor + the step loop."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, runtime_factory: RuntimeFactory = create_runtime) -> None:
+        """``runtime_factory`` builds each runtime, called like ``create_runtime`` (a test wraps the backend)."""
         self.model_config = load_model_config(config.model)
         # Resolved once, before anything reads it: from here on max_model_len is the int chosen.
         self.config = config = _check_before_device_start(config, self.model_config)
         self.tracer = Tracer(config.trace_path)
         spec = ModelSpec(config.model, config.dtype, config.max_num_seqs, config.max_model_len, config.seed)
-        self.runtime = create_runtime(
+        self.runtime = runtime_factory(
             config.device,
             StepProgramFactory(spec, relay_width(config)),
             warmup=warmup_calls(config, self.model_config.vocab_size),  # compiling devices only

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.engine.core import EngineCore
 from neuron_async_sm.outputs import RequestDelta, RequestOutput
+from neuron_async_sm.runtime import RuntimeFactory, create_runtime
 from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
 
 
@@ -25,12 +26,13 @@ class PromptRequest:
 class LLM:
     """Generate with the engine: `LLM(model="tiny-llama", async_scheduling=True, ...)`.
 
-    Keyword arguments are EngineConfig fields. One invalid request never takes down the others:
+    Keyword arguments are EngineConfig fields, and ``runtime_factory`` (the engine's runtime seam, see
+    ``EngineCore``: tests pass one that wraps the backend). One invalid request never takes down the others:
     `generate()` returns it with finish_reason "error" and a message naming the field.
     """
 
-    def __init__(self, model: str = "tiny-llama", **config: object) -> None:
-        self.engine = EngineCore(EngineConfig(model=model, **config))  # type: ignore[arg-type]
+    def __init__(self, model: str = "tiny-llama", runtime_factory: RuntimeFactory = create_runtime, **config: object):
+        self.engine = EngineCore(EngineConfig(model=model, **config), runtime_factory)  # type: ignore[arg-type]
         self._ids = itertools.count()
         self.num_loop_turns = 0
 

@@ -8,7 +8,7 @@ against and ``create_runtime`` for the emulated backends.
 
 from .api import DeviceFuture, DeviceRuntime, Program, ProgramFactory, RuntimeStats, TensorSpec, WarmupCall
 from .config import DeviceKind, RuntimeConfig, keep_off_cpu
-from .create import create_runtime, create_runtime_from_config
+from .create import RuntimeFactory, create_runtime, create_runtime_from_config
 from .errors import DeviceHungError, DeviceLostError, DeviceProgramError, DeviceStartupError
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "Program",
     "ProgramFactory",
     "RuntimeConfig",
+    "RuntimeFactory",
     "RuntimeStats",
     "TensorSpec",
     "WarmupCall",

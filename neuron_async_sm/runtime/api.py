@@ -83,7 +83,7 @@ class RuntimeStats:
     """A snapshot of what the device did since construction or ``reset_stats``."""
 
     programs_completed: int  # programs that finished successfully on the device
-    programs_failed: int  # programs that raised, were injected to fail, or had a failed input
+    programs_failed: int  # programs that raised (or failed on the device), or had a failed input
     device_time_s: float  # sum of per-program device time, measured inside the device
     recent_device_times_s: list[float]  # last N per-program device times, oldest first
     host_transfers: int  # device→host transfers (a cached or failed ``to_host`` does not count)
@@ -172,10 +172,6 @@ class DeviceRuntime(ABC):
         the future's ``spec`` then says so. Callers compare ``future.dtype``,
         never assume ``out.dtype``. Other mismatches fail the program.
         """
-
-    @abstractmethod
-    def inject_failure(self, after: int = 0) -> None:
-        """Make the program enqueued ``after`` programs from now fail (0: the next one)."""
 
     @abstractmethod
     def stats(self) -> RuntimeStats: ...

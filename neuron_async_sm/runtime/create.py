@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .api import DeviceRuntime, ProgramFactory, WarmupCall
 from .config import DeviceKind, RuntimeConfig
 from .host_runtime import HostRuntime
 from .transport import HostChannel, ProcessChannel, ThreadChannel
+
+RuntimeFactory = Callable[..., DeviceRuntime]
+"""What builds an engine's runtime, called like ``create_runtime`` (device, programs, keyword settings).
+
+The engine's seam for a runtime it does not pick itself: ``EngineCore(config, runtime_factory=...)``
+(``LLM(..., runtime_factory=...)``). The default is ``create_runtime``; the fault tests pass one that
+wraps the backend (tests/support/faulty_runtime.py).
+"""
 
 
 def create_runtime(

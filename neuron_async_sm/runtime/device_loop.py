@@ -52,10 +52,6 @@ class FailedValue:
     root_cause: str  # the first failure in the chain of inputs (== message for a direct failure)
 
 
-class InjectedFailure(RuntimeError):
-    """Raised in place of a program selected by ``DeviceRuntime.inject_failure``."""
-
-
 class _InputFailed(Exception):
     """An input future's program failed, so this program cannot run."""
 
@@ -137,8 +133,6 @@ class DeviceLoop:
         start = time.perf_counter()
         try:
             inputs = {name: self._resolve(name, arg) for name, arg in message.inputs.items()}
-            if message.inject_failure:
-                raise InjectedFailure("injected failure")
             program = self._programs[message.program]
             start = time.perf_counter()  # device time counts execution, not input decoding
             with torch.no_grad():

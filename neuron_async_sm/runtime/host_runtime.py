@@ -78,7 +78,6 @@ class HostRuntime(DeviceRuntime):
         self._send_lock = threading.Lock()
         self._next_seq = 0  # (send lock) sequence number == output future id
         self._next_fetch = 0  # (send lock)
-        self._injected: set[int] = set()  # (send lock) sequence numbers to fail
         # GC'd futures wait here for the next send; deque.append takes no lock, so __del__ can never
         # deadlock on a lock its own thread already holds, nor interleave with a half-written message.
         self._deferred_releases: deque[int] = deque()
@@ -132,6 +131,12 @@ class HostRuntime(DeviceRuntime):
         return self._programs
 
     @property
+    def down_reason(self) -> str | None:
+        """Why the runtime stopped accepting work (closed, lost, hung); None while it runs."""
+        with self._state_cv:
+            return None if self._state is RuntimeState.RUNNING else self._down_reason
+
+    @property
     def device_pid(self) -> int | None:
         """The device process id (fault tests kill it); None for the in-process backend."""
         return self._channel.pid
@@ -153,8 +158,6 @@ class HostRuntime(DeviceRuntime):
                         raise ValueError(f"input {name!r}: {value!r} was released")
                 seq = self._next_seq
                 self._next_seq += 1
-                inject = seq in self._injected
-                self._injected.discard(seq)
                 push = out.dtype.itemsize * math.prod(out.shape) <= PUSH_MAX_BYTES
                 with self._state_cv:
                     # Registered under the state lock: a device loss either sees this entry and
@@ -164,7 +167,7 @@ class HostRuntime(DeviceRuntime):
                     self._unfinished[seq] = finished
                     if push:
                         self._pushed[seq] = None
-                self._send(RunProgram(seq, program, wire, out.shape, out.dtype, inject, push))
+                self._send(RunProgram(seq, program, wire, out.shape, out.dtype, push))
                 sent = True
         finally:
             if not sent:
@@ -173,12 +176,6 @@ class HostRuntime(DeviceRuntime):
             if isinstance(arg, WireTensor):
                 self._stats.host_upload(arg.nbytes)
         return HostFuture(self, seq, out, finished)
-
-    def inject_failure(self, after: int = 0) -> None:
-        if after < 0:
-            raise ValueError(f"inject_failure: after must be >= 0, got {after}")
-        with self._send_lock:
-            self._injected.add(self._next_seq + after)
 
     def stats(self) -> RuntimeStats:
         return self._stats.snapshot()

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from .api import DeviceFuture, DeviceRuntime, Program, ProgramFactory, RuntimeStats, TensorSpec, WarmupCall
 from .config import RuntimeConfig
-from .device_loop import FailedValue, InjectedFailure
+from .device_loop import FailedValue
 from .errors import DeviceLostError, DeviceProgramError, DeviceStartupError
 from .host_future import HostFuture
 from .host_runtime import RuntimeState
@@ -119,7 +119,6 @@ class LocalRuntime(DeviceRuntime):
             raise DeviceStartupError(f"program factory {programs!r} failed:\n{traceback.format_exc()}") from None
         self._launch_lock = threading.Lock()
         self._next_seq = 0  # (launch lock) sequence number == output future id
-        self._injected: set[int] = set()  # (launch lock)
         # Device memory: future id -> output tensor, or the failure that took its place. Entries go on
         # release; dict.pop needs no lock, so a GC'd future's __del__ can free its entry from any thread.
         self._memory: dict[int, _Stored | FailedValue] = {}
@@ -169,9 +168,7 @@ class LocalRuntime(DeviceRuntime):
                     self._raise_if_down()
                 seq = self._next_seq
                 self._next_seq += 1
-                inject = seq in self._injected
-                self._injected.discard(seq)
-                spec, token, launched = self._launch(seq, program, inputs, host_inputs, out, inject)
+                spec, token, launched = self._launch(seq, program, inputs, host_inputs, out)
                 with self._state_cv:
                     self._unfinished[seq] = finished
                     self._launched_at[seq] = time.perf_counter()
@@ -186,12 +183,6 @@ class LocalRuntime(DeviceRuntime):
         else:
             self._ops.when_ready(token, lambda error: self._complete(seq, error))
         return HostFuture(self, seq, spec, finished)
-
-    def inject_failure(self, after: int = 0) -> None:
-        if after < 0:
-            raise ValueError(f"inject_failure: after must be >= 0, got {after}")
-        with self._launch_lock:
-            self._injected.add(self._next_seq + after)
 
     def stats(self) -> RuntimeStats:
         return replace(self._stats.snapshot(), compilations=self._ops.compilations() - self._compilations_base)
@@ -257,15 +248,12 @@ class LocalRuntime(DeviceRuntime):
         inputs: Mapping[str, torch.Tensor | DeviceFuture],
         host_inputs: Mapping[str, torch.Tensor | None],
         out: TensorSpec,
-        inject: bool,
     ) -> tuple[TensorSpec, object, bool]:
         """Issue one program (caller holds the launch lock). Returns the future's spec, the completion
         token and whether it was launched (False: it failed before reaching the device)."""
         label = f"program {program!r} (#{seq})"
         try:
             args = {name: self._resolve(name, inputs[name], host) for name, host in host_inputs.items()}
-            if inject:
-                raise InjectedFailure("injected failure")
 
             def call() -> torch.Tensor:
                 with torch.no_grad():

@@ -72,7 +72,6 @@ class RunProgram:
     inputs: dict[str, ProgramInput]
     out_shape: tuple[int, ...]
     out_dtype: torch.dtype
-    inject_failure: bool  # fail this program instead of running it (fault tests)
     push_output: bool = False  # send the output with ProgramDone (small outputs: no Fetch round trip)
     releases: tuple[int, ...] = ()  # futures to free first: a piggybacked Release (one message, not two)
 

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 from programs import ContractPrograms, heavy_reference
+from support.faulty_runtime import FaultyPrograms, FaultyRuntime
 
 from neuron_async_sm.runtime import DeviceLostError, DeviceProgramError, TensorSpec, create_runtime
 
@@ -131,6 +132,26 @@ def test_a_failing_program_fails_its_dependants_and_every_read(runtime):
             future.to_host()
     assert unrelated.to_host().tolist() == [2.0] * 4  # the device goes on
     assert runtime.stats().programs_failed == 3
+
+
+def test_an_injected_failure_fails_the_chosen_program_on_the_device(backend):
+    """The fault tests' wrapper (tests/support/faulty_runtime.py) works on this backend: the chosen program
+    fails as a failing program does here (dependants fail with its root cause), its neighbours run."""
+    with FaultyRuntime(create_runtime(backend.name, FaultyPrograms(ContractPrograms()), queue_depth=8)) as runtime:
+        x = torch.ones(4)
+        runtime.inject_failure(after=1)
+        before = runtime.enqueue("add_one", {"x": x}, VEC)
+        chosen = runtime.enqueue("add_one", {"x": before}, VEC)
+        child = runtime.enqueue("add", {"a": chosen, "b": before}, VEC)
+        after = runtime.enqueue("add_one", {"x": before}, VEC)
+        assert after.to_host().tolist() == [3.0] * 4 and before.to_host().tolist() == [2.0] * 4
+        for future in (chosen, child, chosen):
+            with pytest.raises(DeviceProgramError, match="InjectedFailure: injected failure in place of 'add_one'"):
+                future.to_host()
+        stats = runtime.stats()
+        assert (stats.programs_failed, stats.programs_completed) == (2, 2), stats
+        with pytest.raises(ValueError, match="after must be an int >= 0"):
+            runtime.inject_failure(after=-1)
 
 
 def test_a_future_carries_the_dtype_the_device_produced(runtime):
