@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from neuron_async_sm.bench.command import add_bench_parser
-from neuron_async_sm.config import DEVICES, DTYPES, ConfigError, EngineConfig
+from neuron_async_sm.config import DEVICES, DTYPES, EXECUTOR_BACKENDS, ConfigError, EngineConfig
 from neuron_async_sm.engine.llm import LLM, PromptRequest
 from neuron_async_sm.model import ModelLoadError, tokenizer_path
 from neuron_async_sm.outputs import RequestOutput
@@ -75,6 +75,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime-queue-depth", type=int, default=d.runtime_queue_depth, help="programs in flight")
     p.add_argument("--device-time-ms", type=float, default=d.device_time_ms, help="emulated program time")
     p.add_argument("--device-timeout-s", type=float, default=d.device_timeout_s, help="hung if no progress (0: off)")
+    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                   help="ranks the model is split over, one device process each")  # fmt: skip
+    p.add_argument("--distributed-executor-backend", default=d.distributed_executor_backend,
+                   choices=EXECUTOR_BACKENDS, help="how the ranks' device processes run")  # fmt: skip
     p.add_argument("--trace", default=None, metavar="FILE.ndjson", help="write machine transitions")
     p.add_argument("--stats", default=None, metavar="STATS.json", help="write run statistics as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -97,6 +101,8 @@ def _engine_config(args: argparse.Namespace) -> dict:
         "device_time_ms": args.device_time_ms,
         "device_timeout_s": args.device_timeout_s,
         "trace_path": args.trace,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "distributed_executor_backend": args.distributed_executor_backend,
     }
 
 

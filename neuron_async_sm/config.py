@@ -63,6 +63,10 @@ class EngineConfig:
     max_concurrent_batches: int = 2  # batch queue depth in async mode (the design fixes it at 2)
     stats_log_interval_s: float = 10.0
     trace_path: str | None = None  # NDJSON trace of machine transitions and materializations
+    # Ranks the model is split over (tensor parallelism): one device process each, holding its shard
+    # of the weights and of the KV cache. The model's heads, KV heads and intermediate size must divide.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # how the ranks' device processes run: see EXECUTOR_BACKENDS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decode_buckets", _buckets("decode_buckets", self.decode_buckets))
@@ -106,6 +110,7 @@ class EngineConfig:
             )
         if self.max_concurrent_batches != 2:
             raise ConfigError(f"max_concurrent_batches: only 2 is supported, got {self.max_concurrent_batches}")
+        _tensor_parallel(self)
 
     def decode_bucket(self, num_rows: int) -> int:
         """Smallest decode bucket that holds `num_rows` rows."""
@@ -133,6 +138,28 @@ def _device_cpu(cpu: object, device: str) -> None:
         raise ConfigError(f"device_cpu: must be a CPU number in [0, {cpus}), got {cpu!r}")
     if cpus < 2:
         raise ConfigError("device_cpu: the host needs a CPU besides the device's; this machine has one")
+
+
+EXECUTOR_BACKENDS = ("mp",)
+"""`mp`: each rank's device process is spawned by this process (multiprocessing)."""
+
+
+def _tensor_parallel(config: EngineConfig) -> None:
+    _positive("tensor_parallel_size", config.tensor_parallel_size)
+    backend = config.distributed_executor_backend
+    if backend not in EXECUTOR_BACKENDS:
+        raise ConfigError(
+            f"distributed_executor_backend: unknown backend {backend!r}; choose one of {', '.join(EXECUTOR_BACKENDS)}"
+        )
+    if config.tensor_parallel_size == 1:
+        return
+    if config.device != "cpu":
+        raise ConfigError(
+            f"tensor_parallel_size: {config.tensor_parallel_size} ranks need the device process "
+            f"(device='cpu'), got device={config.device!r}"
+        )
+    if config.device_cpu is not None:
+        raise ConfigError("device_cpu: pins one device process; with tensor_parallel_size > 1 leave it unset")
 
 
 def _positive(name: str, value: int) -> None:

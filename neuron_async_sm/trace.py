@@ -1,7 +1,9 @@
-"""NDJSON trace of machine transitions and materializations, for checking runs against the TLA+ spec.
+"""The engine's step events: an NDJSON trace of machine transitions and materializations (checked
+against the TLA+ spec), and the in-step hooks of one `StepObserver`.
 
-Off by default: with no path and no subscriber every call is a no-op. Observers (the server's
-metrics) `subscribe()` to the same named events instead of wrapping the objects that emit them.
+Off by default: with no path and no subscriber every call is a no-op. Observers `subscribe()` to the
+same named records (the server's metrics), or `observe()` the step from inside (the bench probe's
+timers, the tests' spies) instead of wrapping the objects that emit them.
 """
 
 from __future__ import annotations
@@ -9,7 +11,37 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from typing import IO
+from contextlib import AbstractContextManager, nullcontext
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput, StepSnapshot
+
+_NO_SPAN = nullcontext()
+
+
+class StepObserver:
+    """Named points inside one engine's step. The base ignores them all; subclass what you need.
+
+    Called on the thread that does the work (the engine's main thread, or the async output thread
+    for a write-back it materializes), synchronously: a hook may time, record, block or raise.
+    """
+
+    PHASES = ("schedule", "execute", "output")  # the main thread's host work in one loop turn
+    WAITS = ("fetch", "materialize", "result")  # a thread blocked: host copy, async break, output thread
+
+    def span(self, name: str) -> AbstractContextManager[object]:
+        """Around one phase or wait named in PHASES / WAITS."""
+        return _NO_SPAN
+
+    def output_created(self, output: AsyncModelRunnerOutput) -> None:
+        """A step's output was sampled (still a device future in async mode)."""
+
+    def write_back(self, snapshot: StepSnapshot, tokens: list[int]) -> None:
+        """A step's sampled tokens are about to be written into CPU state, by the snapshot's request ids."""
+
+
+NO_OBSERVER = StepObserver()
 
 
 class Tracer:
@@ -23,6 +55,13 @@ class Tracer:
         self._lock = threading.Lock()
         self._seq = 0
         self._subscribers: list[Callable[[dict], None]] = []
+        self.observer: StepObserver = NO_OBSERVER
+
+    def observe(self, observer: StepObserver) -> None:
+        """Make `observer` this engine's in-step observer (one at a time; it does not enable the trace)."""
+        if self is Tracer.NONE:
+            raise ValueError("Tracer.NONE is shared by every engine; observe through an engine's own tracer")
+        self.observer = observer
 
     def subscribe(self, callback: Callable[[dict], None]) -> None:
         """Call `callback(record)` for every later event, on the emitting thread.

@@ -23,6 +23,7 @@ from support.engine_invariants import (
 )
 
 from neuron_async_sm import LLM, SamplingParams
+from neuron_async_sm.trace import StepObserver
 from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.async_output import StepSnapshot
 
@@ -151,7 +152,7 @@ def test_abort_while_its_step_is_in_flight(llm, reference, turns):
     for _ in range(turns):
         client.step()
     queue = llm.engine.batch_queue
-    in_flight = [s for s, future in queue if f"t{turns}-b" in s.num_scheduled_tokens and not future.done()]
+    in_flight = [s for s in queue if f"t{turns}-b" in s.scheduled.num_scheduled_tokens and not s.output.done()]
     assert in_flight, "the middle request has no step in flight: the test lost its point"
     client.abort(f"t{turns}-b")
     client.run_until_idle()
@@ -160,18 +161,16 @@ def test_abort_while_its_step_is_in_flight(llm, reference, turns):
 
 def test_abort_while_its_output_is_being_materialized(llm, reference):
     """The output thread is inside the write-back of a step holding the request when the client aborts it."""
-    runner = llm.engine.runner
-    real_write_back = runner._write_back
     entered, release = threading.Event(), threading.Event()
     target: list[int] = []  # the step id to hold
 
-    def gated_write_back(snapshot: StepSnapshot, tokens: list[int]) -> None:
-        if target and snapshot.step_id == target[0] and threading.current_thread().name == "async-output":
-            entered.set()
-            assert release.wait(timeout=30), "the test never released the gated write-back"
-        real_write_back(snapshot, tokens)
+    class GatedWriteBack(StepObserver):
+        def write_back(self, snapshot: StepSnapshot, tokens: list[int]) -> None:
+            if target and snapshot.step_id == target[0] and threading.current_thread().name == "async-output":
+                entered.set()
+                assert release.wait(timeout=30), "the test never released the gated write-back"
 
-    runner._write_back = gated_write_back
+    llm.engine.tracer.observe(GatedWriteBack())
     try:
         client = Client(llm, reference)
         client.add("mat-a", prompt(4, 5))
@@ -180,16 +179,16 @@ def test_abort_while_its_output_is_being_materialized(llm, reference):
         client.step()
         target.append(llm.engine.scheduler._next_step_id)  # the step the next turn enqueues: hold it halfway
         client.step()
-        [(scheduled, future)] = llm.engine.batch_queue
-        assert scheduled.step_id == target[0] and "mat-b" in scheduled.num_scheduled_tokens
+        [step] = llm.engine.batch_queue
+        assert step.scheduled.step_id == target[0] and "mat-b" in step.scheduled.num_scheduled_tokens
         assert entered.wait(timeout=30), "the output thread never materialized the step"
-        assert not future.done()
+        assert not step.output.done()
         client.abort("mat-b")
         release.set()
         client.run_until_idle()
     finally:
         release.set()
-        runner._write_back = real_write_back
+        llm.engine.tracer.observe(StepObserver())
     # Tokens of steps 0 and 1 reached the client; the one of the step held halfway never does.
     assert len(client.requests["mat-b"].emitted) == client.aborted_at["mat-b"] == 2
     assert client.requests["mat-a"].finish == "length"

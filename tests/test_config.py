@@ -37,7 +37,6 @@ BAD_CONFIGS = [
     (dict(device_threads=0), "device_threads", "positive integer"),
     (dict(device_time_ms=-1.0), "device_time_ms", ">= 0"),
     (dict(device_time_ms="1"), "device_time_ms", "number"),
-    (dict(max_concurrent_batches=3), "max_concurrent_batches", "only 2"),
 ]
 
 

@@ -8,6 +8,7 @@ import pytest
 from support.faulty_runtime import faulty_runtime
 
 from neuron_async_sm import LLM, EngineDeadError, SamplingParams
+from neuron_async_sm.trace import StepObserver
 
 PARAMS = SamplingParams(max_tokens=30, ignore_eos=True)
 
@@ -48,15 +49,13 @@ def test_program_failure_errors_every_request_and_kills_the_engine(device, async
 
 def test_output_thread_failure_is_surfaced_not_swallowed():
     with LLM("tiny-llama", device="cpu-inprocess", async_scheduling=True) as llm:
-        runner = llm.engine.runner
-        real_write_back = runner._write_back
 
-        def failing_write_back(snapshot, tokens):
-            if snapshot.step_id == 3:
-                raise RuntimeError("write-back exploded")
-            real_write_back(snapshot, tokens)
+        class FailingWriteBack(StepObserver):
+            def write_back(self, snapshot, tokens):
+                if snapshot.step_id == 3:
+                    raise RuntimeError("write-back exploded")
 
-        runner._write_back = failing_write_back
+        llm.engine.tracer.observe(FailingWriteBack())
         outputs = llm.generate([[5, 6, 7], [8, 9]], PARAMS)
         assert {o.finish_reason for o in outputs} == {"error"}
         assert all("write-back exploded" in o.error for o in outputs)

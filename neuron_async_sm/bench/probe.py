@@ -1,15 +1,14 @@
 """Per-step timing of one engine: host time C on the critical path, waits, and device time D.
 
-The engine is measured as it is, not rebuilt for the benchmark: `StepProbe` wraps a few bound methods
-of one engine instance (never the classes) with timers.
+The engine is measured as it is, not rebuilt for the benchmark: `StepProbe` is the engine's step
+observer (`Tracer.observe`, neuron_async_sm/trace.py) and times the spans the engine names.
 
-- Waits: time the engine's main thread spends blocked on the device — `runtime.fetch` (a host copy:
-  the sync step's tokens), an async break materializing the pending output (the runner's
-  `_materialize_pending`: in fetch, or on the output's lock while the output thread fetches) and, in
-  async mode, the output thread's `Future.result()`.
-- Phases: `scheduler.schedule`, the executor's prepare + enqueue (`execute_model`, plus
-  `execute_model_async` in async mode), and output processing (`sample_tokens` and
-  `scheduler.update_from_output`), each minus the waits inside it.
+- Waits: time the engine's main thread spends blocked: "fetch" (a host copy: the sync step's tokens,
+  or the remap's gather), "materialize" (an async break materializing the pending output: in fetch,
+  or on the output's lock while the output thread fetches) and "result" (in async mode, the output
+  thread's Future). Waits of other threads are off the critical path and ignored.
+- Phases: "schedule" (`scheduler.schedule`), "execute" (the runner's prepare + enqueue) and "output"
+  (the runner's `sample_tokens` and `scheduler.update_from_output`), each minus the waits inside it.
 - C of a loop turn is its wall time minus its waits: everything the host does on the critical path.
 - Device idle: the device process also reports, per program, how long it sat waiting for work
   before that program arrived. In a fully overlapped async run it stays near zero after the first
@@ -25,13 +24,14 @@ import gc
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
 
 from neuron_async_sm.engine.core import EngineCore
+from neuron_async_sm.trace import StepObserver
 
-PHASES = ("schedule", "execute", "output")
+PHASES = StepObserver.PHASES
+_IGNORED = nullcontext()
 
 
 @dataclass
@@ -52,40 +52,65 @@ class TurnLog:
         return [w - b for w, b in zip(self.wall_s, self.wait_s, strict=True)]
 
 
-class StepProbe:
-    """Timers on one engine. `turn()` runs one loop turn and records it; `device_times()` collects D."""
+class _Span:
+    """Times one named span of the main thread; spans nest (a fetch inside a materialize counts once)."""
 
-    def __init__(self, engine: EngineCore) -> None:
-        self.engine = engine
+    __slots__ = ("_probe", "_name", "_wait", "_spin_s")
+
+    def __init__(self, probe: StepProbe, name: str, spin_s: float = 0.0) -> None:
+        self._probe, self._name, self._wait, self._spin_s = probe, name, name in StepObserver.WAITS, spin_s
+
+    def __enter__(self) -> None:
+        probe = self._probe
+        probe._open.append((time.perf_counter(), probe._wait))
+        if self._spin_s:  # emulated host work (the D/C sweep): pure Python, holding the GIL
+            deadline = time.perf_counter() + self._spin_s
+            while time.perf_counter() < deadline:
+                pass
+
+    def __exit__(self, *exc: object) -> None:
+        probe = self._probe
+        start, wait = probe._open.pop()
+        elapsed = time.perf_counter() - start
+        if self._wait:
+            probe._wait = wait + elapsed  # waits nested inside count once
+        else:
+            probe._phase[self._name] += elapsed - (probe._wait - wait)
+
+
+class StepProbe(StepObserver):
+    """Timers on one engine. `turn()` runs one loop turn and records it; `device_times()` collects D.
+
+    `host_extra_ms`: every `scheduler.schedule` also spins this long (the D/C sweep only, below the
+    ratio the real program allows: its own time is a floor on D, so D/C < floor/C needs a larger C).
+    It spins rather than sleeps, holding the GIL like the host's real work, so the async output
+    thread competes with it as it would with real host work.
+    """
+
+    def __init__(self, host_extra_ms: float = 0.0) -> None:
+        self.engine: EngineCore | None = None
         self.log = TurnLog()
         self._thread = threading.current_thread()  # the engine's main thread
         self._wait = 0.0
+        self._open: list[tuple[float, float]] = []  # (start, waits so far) of each open span
         self._phase = dict.fromkeys(PHASES, 0.0)
+        self._spans = {name: _Span(self, name) for name in (*PHASES, *StepObserver.WAITS)}
+        self._spans["schedule"] = _Span(self, "schedule", host_extra_ms / 1e3)
         self._device_times: list[float] = []
         self._idle_times: list[float] = []  # per program: how long the device waited for it
         self._programs_seen = 0
         self._gc_started = 0.0
+
+    def attach(self, engine: EngineCore) -> None:
+        """Observe `engine` (built on this thread, before its first step)."""
+        self.engine = engine
+        engine.tracer.observe(self)
         gc.callbacks.append(self._on_gc)  # any thread's collection stops every thread holding the GIL
-        runtime = engine.runtime
-        runtime.fetch = self._timed_wait(runtime.fetch)  # type: ignore[method-assign]
-        for runner in engine.executor.runners:
-            # An async break waits for the pending output: in fetch, or on the output's lock while
-            # the output thread fetches it. The whole call counts as a wait (its write-back of one
-            # token per row is microseconds), so a break does not show up as host time.
-            runner._materialize_pending = self._timed_wait(runner._materialize_pending)  # type: ignore
-        scheduler, executor = engine.scheduler, engine.executor
-        scheduler.schedule = self._timed_phase("schedule", scheduler.schedule)  # type: ignore[method-assign]
-        scheduler.update_from_output = self._timed_phase("output", scheduler.update_from_output)  # type: ignore
-        executor.execute_model = self._timed_phase("execute", executor.execute_model)  # type: ignore
-        executor.sample_tokens = self._timed_phase("output", executor.sample_tokens)  # type: ignore
-        if engine.batch_queue is not None:
-            execute_async = executor.execute_model_async
 
-            def timed_execute_async(scheduled: Any) -> _TimedFuture:
-                return _TimedFuture(execute_async(scheduled), self)
-
-            # execute_model_async calls execute_model + sample_tokens (already timed): no phase here.
-            executor.execute_model_async = timed_execute_async  # type: ignore[method-assign]
+    def span(self, name: str) -> _Span | nullcontext:
+        if threading.current_thread() is not self._thread:
+            return _IGNORED  # the async output thread: off the critical path
+        return self._spans[name]
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -98,30 +123,9 @@ class StepProbe:
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
 
-    def _timed_wait(self, fn: Callable) -> Callable:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if threading.current_thread() is not self._thread:
-                return fn(*args, **kwargs)  # the async output thread: off the critical path
-            start, wait = time.perf_counter(), self._wait
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._wait = wait + time.perf_counter() - start  # waits nested inside count once
-
-        return timed
-
-    def _timed_phase(self, phase: str, fn: Callable) -> Callable:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start, wait = time.perf_counter(), self._wait
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._phase[phase] += time.perf_counter() - start - (self._wait - wait)
-
-        return timed
-
     def turn(self, step: Callable[[], list]) -> list:
         """Run one loop turn (`LLM.step`) and record it."""
+        assert self.engine is not None, "attach() the probe to an engine first"
         steps, wait = self.engine.num_steps, self._wait
         phase = dict(self._phase)
         cpu = time.thread_time()
@@ -157,6 +161,7 @@ class StepProbe:
         return list(self._idle_times)
 
     def _collect_device_times(self) -> None:
+        assert self.engine is not None
         stats = self.engine.runtime.stats()
         new = stats.programs_completed + stats.programs_failed - self._programs_seen
         recent, idle = stats.recent_device_times_s, stats.recent_device_idle_s
@@ -166,21 +171,3 @@ class StepProbe:
             self._device_times.extend(recent[len(recent) - new :])
             self._idle_times.extend(idle[len(idle) - new :])
         self._programs_seen += new
-
-
-class _TimedFuture:
-    """The output thread's Future, with `result()` counted as a wait of the engine's main thread."""
-
-    def __init__(self, future: Future, probe: StepProbe) -> None:
-        self._future = future
-        self._probe = probe
-
-    def result(self, timeout: float | None = None) -> Any:
-        start = time.perf_counter()
-        try:
-            return self._future.result(timeout)
-        finally:
-            self._probe._wait += time.perf_counter() - start
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self._future.exception(timeout)

@@ -91,34 +91,16 @@ class OtherLoad:
         return max(0.0, (busy_now - busy - (own_now - own)) / ticks)
 
 
-def add_host_work(llm: LLM, extra_ms: float) -> None:
-    """Emulate a heavier host: every `scheduler.schedule` call also spins `extra_ms` of pure Python.
-
-    For the D/C sweep only, below the ratio the real program allows (its own time is a floor on D, so
-    D/C < floor/C needs a larger C). It spins rather than sleeps, holding the GIL like the host's
-    real work (scheduling, detokenization, stop checks), so the async output thread competes with it
-    as it would with real host work.
-    """
-    schedule = llm.engine.scheduler.schedule
-    extra_s = extra_ms / 1e3
-
-    def schedule_with_host_work(*args: object, **kwargs: object) -> object:
-        deadline = time.perf_counter() + extra_s
-        while time.perf_counter() < deadline:
-            pass
-        return schedule(*args, **kwargs)
-
-    llm.engine.scheduler.schedule = schedule_with_host_work  # type: ignore[method-assign]
-
-
 class ProbedLLM:
-    """An LLM with a StepProbe attached, reused across repetitions (the device starts once)."""
+    """An LLM with a StepProbe attached, reused across repetitions (the device starts once).
+
+    `host_extra_ms` emulates a heavier host (the D/C sweep): see StepProbe.
+    """
 
     def __init__(self, model: str, host_extra_ms: float = 0.0, **config: object) -> None:
+        self.probe = StepProbe(host_extra_ms)
         self.llm = LLM(model, **config)
-        if host_extra_ms > 0:
-            add_host_work(self.llm, host_extra_ms)
-        self.probe = StepProbe(self.llm.engine)
+        self.probe.attach(self.llm.engine)
         self.async_scheduling = self.llm.config.async_scheduling
         self._runs = 0
 

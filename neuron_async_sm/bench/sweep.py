@@ -8,7 +8,7 @@ long), so the program itself must be shorter than the D asked for: the sweep run
    floor below which no hold can bring D.
 2. For each requested ratio r, hold each program to r * C and run the sync/async comparison. A ratio
    whose hold would be under the floor cannot lower D, so it raises C instead: no hold, and each
-   step's host work grows by a pure-Python spin (`runner.add_host_work`) to floor / r in all.
+   step's host work grows by a pure-Python spin (`StepProbe(host_extra_ms)`) to floor / r in all.
    One more point runs first with neither: the real compute, host and program as they are.
 3. Report the ratio actually measured (D / C of that point's sync runs) beside the requested one:
    C drifts with the machine's load, and the hold overshoots a little (the device sleeps).

@@ -15,9 +15,10 @@ from concurrent.futures import Future
 
 import torch
 
-from neuron_async_sm.config import EngineConfig
+from neuron_async_sm.config import ConfigError, EngineConfig
 from neuron_async_sm.engine.executor import Executor
 from neuron_async_sm.engine.model_len import resolve_model_len
+from neuron_async_sm.engine.ranks import start_ranks
 from neuron_async_sm.engine.warmup import warmup_calls
 from neuron_async_sm.errors import NeuronAsyncSMError
 from neuron_async_sm.model import (
@@ -30,6 +31,7 @@ from neuron_async_sm.model import (
 )
 from neuron_async_sm.model.config import model_directory
 from neuron_async_sm.model.loader import checkpoint_path
+from neuron_async_sm.model.parallel import TensorParallelGroup, build_sharded_step_program, check_divisible
 from neuron_async_sm.model.program import RelayPad
 from neuron_async_sm.outputs import ModelRunnerOutput, RequestDelta, SchedulerOutput
 from neuron_async_sm.request import Request
@@ -40,6 +42,7 @@ from neuron_async_sm.trace import Tracer
 from neuron_async_sm.worker.model_input import logits_dtype
 from neuron_async_sm.worker.model_runner import (
     LOGITS_PROGRAM,
+    OUTPUT_RANK,
     RELAY_PAD_PROGRAM,
     STEP_PROGRAM,
     ModelRunner,
@@ -58,14 +61,21 @@ class EngineDeadError(NeuronAsyncSMError, RuntimeError):
 
 
 class StepProgramFactory:
-    """Picklable: builds the step program inside the device (loads weights, allocates the KV cache)."""
+    """Picklable: builds the step program inside the device (loads weights, allocates the KV cache).
 
-    def __init__(self, spec: ModelSpec, relay_width: int) -> None:
+    With a tensor-parallel `group`, the program is that rank's shard, and building it joins the group.
+    """
+
+    def __init__(self, spec: ModelSpec, relay_width: int, group: TensorParallelGroup | None = None) -> None:
         self.spec = spec
         self.relay_width = relay_width  # rows the relay pads the previous output to (compiling devices)
+        self.group = group
 
     def __call__(self, device: torch.device) -> dict:
-        program = build_step_program(self.spec, device)
+        if self.group is None:
+            program = build_step_program(self.spec, device)
+        else:
+            program = build_sharded_step_program(self.spec, self.group, device)
         return {
             STEP_PROGRAM: program,
             LOGITS_PROGRAM: LogitsProgram(program),
@@ -91,6 +101,8 @@ def _check_before_device_start(config: EngineConfig, model: LlamaConfig) -> Engi
     """
     if config.model != TINY_LLAMA:
         checkpoint_path(model_directory(config.model))  # raises ModelLoadError naming what is missing
+    if config.tensor_parallel_size > 1 and (problem := check_divisible(model, config.tensor_parallel_size)):
+        raise ConfigError(f"tensor_parallel_size: {problem}; choose a size that divides it")
     return resolve_model_len(config, model)  # raises ConfigError naming the numbers and the flags
 
 
@@ -104,22 +116,21 @@ class EngineCore:
         self.config = config = _check_before_device_start(config, self.model_config)
         self.tracer = Tracer(config.trace_path)
         spec = ModelSpec(config.model, config.dtype, config.max_num_seqs, config.max_model_len, config.seed)
-        self.runtime = runtime_factory(
-            config.device,
-            StepProgramFactory(spec, relay_width(config)),
+        # One runtime per tensor-parallel rank; the output rank's is `runtime`, its runner `runner`.
+        self.runtimes = start_ranks(
+            config,
+            lambda group: StepProgramFactory(spec, relay_width(config), group),
             warmup=warmup_calls(config, self.model_config.vocab_size),  # compiling devices only
-            queue_depth=config.runtime_queue_depth,
-            device_time_ms=config.device_time_ms,
-            num_threads=config.device_threads,
-            device_cpu=config.device_cpu,
-            device_timeout_s=config.device_timeout_s,
+            runtime_factory=runtime_factory,
         )
-        self.runner = ModelRunner(
-            config, self.runtime, vocab_size=self.model_config.vocab_size, rank=0, tracer=self.tracer
-        )
-        self.executor = Executor(
-            [self.runner], output_rank=0, async_output=config.async_scheduling, device_cpu=config.device_cpu
-        )
+        self.runtime = self.runtimes[OUTPUT_RANK]
+        vocab = self.model_config.vocab_size
+        self.runners = [
+            ModelRunner(config, runtime, vocab_size=vocab, rank=rank, tracer=self.tracer if rank == 0 else Tracer.NONE)
+            for rank, runtime in enumerate(self.runtimes)  # only the output rank (0) traces
+        ]
+        self.runner = self.runners[OUTPUT_RANK]
+        self.executor = Executor(self.runners, async_output=config.async_scheduling, device_cpu=config.device_cpu)
         self.scheduler = Scheduler(
             config, eos_token_ids=self.model_config.eos_token_ids, vocab_size=self.model_config.vocab_size
         )
@@ -241,10 +252,11 @@ class EngineCore:
         device included), so the drain after it waits on host work only. `force`: the device gets
         no grace either; it is killed at once.
         """
-        if force:
-            self.runtime.kill()
-        else:
-            self.runtime.close()
+        for runtime in self.runtimes:
+            if force:
+                runtime.kill()
+            else:
+                runtime.close()
         in_flight = [future for _, future in self.batch_queue or ()]
         if self.batch_queue:
             self.batch_queue.clear()

@@ -1,9 +1,13 @@
 """The executor: drives the worker ranks and, in async mode, the async output thread.
 
-Shaped for tensor parallelism: every rank runs every step, but only the output rank's outputs go to
-the async output thread (the design's TP0). The other ranks' outputs are materialized only when
-their worker breaks the async flow; otherwise the next step's output simply supersedes them.
-Ranks run in this process today; a multi-process rank only has to provide the same two calls.
+One ModelRunner per tensor-parallel rank, each over its own device process (`engine/ranks.py`), all
+driven by the same SchedulerOutput. Every rank runs every step and takes the same machine path
+(checked each step: a rank that diverged would feed its shard different inputs). Only the output
+rank's (the design's TP0) outputs go to the async output thread and are written back into CPU state;
+the other ranks' sampled-token futures are only ever fed forward to their next program or dropped,
+never brought to the host: their programs compute on the output rank's input ids (`model/parallel.py`).
+A failure on any rank is reported naming the rank that failed (a killed rank, not the peers whose
+collectives it broke).
 """
 
 from __future__ import annotations
@@ -11,17 +15,45 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+from neuron_async_sm.errors import NeuronAsyncSMError
 from neuron_async_sm.outputs import ModelRunnerOutput, SchedulerOutput
 from neuron_async_sm.runtime import keep_off_cpu
 from neuron_async_sm.worker.async_output import OUTPUT_THREAD_NAME, AsyncModelRunnerOutput
-from neuron_async_sm.worker.model_runner import ModelRunner
+from neuron_async_sm.worker.model_runner import OUTPUT_RANK, ModelRunner
 
 _STOP = object()
 
+BLAME_WAIT_S = 1.0
+"""How long a failed step waits for a dead rank's runtime to notice its device is gone. A killed
+rank breaks its peers' collectives at the same moment its own channel closes; the peer's program
+error can arrive first, and the rank to name is the one whose device went away."""
+
 logger = logging.getLogger("neuron_async_sm")
+
+
+class RankFailedError(NeuronAsyncSMError, RuntimeError):
+    """A tensor-parallel rank failed; `rank` is the rank whose device failed (or the one that reported it)."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class RankPathMismatchError(NeuronAsyncSMError, AssertionError):
+    """The ranks took different machine paths for one step: their inputs would differ."""
+
+
+def check_same_path(step_id: int, paths: Sequence[str | None]) -> None:
+    """Every rank's machine took the same path this step (None: sync mode, no machine)."""
+    if len(set(paths)) > 1:
+        taken = ", ".join(f"rank {rank} {path}" for rank, path in enumerate(paths))
+        raise RankPathMismatchError(f"step {step_id}: the ranks took different machine paths: {taken}")
 
 
 @dataclass(frozen=True)
@@ -35,11 +67,10 @@ class PendingOutput:
 class Executor:
     """Runs `execute_model` + `sample_tokens` on every rank; returns the output rank's result."""
 
-    def __init__(
-        self, runners: list[ModelRunner], *, output_rank: int = 0, async_output: bool, device_cpu: int | None = None
-    ) -> None:
+    def __init__(self, runners: list[ModelRunner], *, async_output: bool, device_cpu: int | None = None) -> None:
+        assert [runner.rank for runner in runners] == list(range(len(runners))), "runners in rank order"
         self.runners = runners
-        self.output_rank = output_rank
+        self.output_rank = OUTPUT_RANK
         self._device_cpu = device_cpu
         self._output_queue: queue.Queue[PendingOutput | object] | None = None
         self._output_thread: threading.Thread | None = None
@@ -49,12 +80,24 @@ class Executor:
             self._output_thread.start()
 
     def execute_model(self, scheduled: SchedulerOutput) -> None:
+        """Enqueue the step on every rank, the output rank first; then check the paths agree."""
         for runner in self.runners:
-            runner.execute_model(scheduled)
+            with self._on_rank(runner.rank):
+                runner.execute_model(scheduled)
+        if len(self.runners) > 1:
+            paths = [runner.machine.state if runner.use_async_scheduling else None for runner in self.runners]
+            check_same_path(scheduled.step_id, paths)
 
     def sample_tokens(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        """Sample on every rank; the output rank's result (sync: tokens; async: still a future)."""
-        outputs = [runner.sample_tokens() for runner in self.runners]
+        """Sample on every rank; the output rank's result (sync: tokens; async: still a future).
+
+        The other ranks' outputs are dropped here: in async mode their futures live on in their
+        runner's buffer, to be fed to the next step's program; nothing ever reads them.
+        """
+        outputs = []
+        for runner in self.runners:
+            with self._on_rank(runner.rank):
+                outputs.append(runner.sample_tokens())
         return outputs[self.output_rank]
 
     def execute_model_async(self, scheduled: SchedulerOutput) -> Future[ModelRunnerOutput]:
@@ -83,7 +126,39 @@ class Executor:
             try:
                 item.result.set_result(item.output.get_output())
             except BaseException as exc:  # surfaced to the engine core, never swallowed
-                item.result.set_exception(exc)
+                item.result.set_exception(self._rank_error(exc, self.output_rank))
+
+    @contextmanager
+    def _on_rank(self, rank: int) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            error = self._rank_error(exc, rank)
+            if error is exc:
+                raise
+            raise error from exc
+
+    def _rank_error(self, exc: BaseException, rank: int) -> BaseException:
+        """`exc`, raised on `rank`, as the error of the rank that failed (unchanged with one rank).
+
+        A rank whose device is gone is the cause; a peer's failed collective is its symptom.
+        """
+        if len(self.runners) == 1 or isinstance(exc, RankFailedError | RankPathMismatchError):
+            return exc
+        deadline = time.monotonic() + BLAME_WAIT_S
+        while True:
+            down = [(r.rank, reason) for r in self.runners if (reason := getattr(r.runtime, "down_reason", None))]
+            if down or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        if down:
+            failed, reason = down[0]
+            message = f"tensor-parallel rank {failed} failed: {reason}"
+        else:
+            failed, message = rank, f"tensor-parallel rank {rank} failed: {type(exc).__name__}: {exc}"
+        error = RankFailedError(message, failed)
+        error.__cause__ = exc
+        return error
 
     def drain(self) -> None:
         for runner in self.runners:

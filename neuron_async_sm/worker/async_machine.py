@@ -106,7 +106,7 @@ TRANSITIONS: tuple[dict, ...] = (
     {"trigger": "step", "source": REINSTATE, "dest": REORDER_REMAP, "conditions": "order_changed"},
     {"trigger": "step", "source": REINSTATE, "dest": STEADY},
     {"trigger": "reinstate", "source": list(PATH_STATES), "dest": REINSTATE},
-    # A failure, or an engine that shut down, drops the pending future.
+    # A failure drops the pending future (shutdown does not: a shut-down engine is never stepped again).
     {"trigger": "drain", "source": list(STATES), "dest": IDLE},
 )
 

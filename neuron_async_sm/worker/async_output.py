@@ -79,7 +79,8 @@ class AsyncModelRunnerOutput:
     def _materialize(self) -> None:
         assert self._future is not None
         try:
-            host = self._future.to_host()  # blocks until the program ran; re-raises its error
+            with self._tracer.observer.span("fetch"):
+                host = self._future.to_host()  # blocks until the program ran; re-raises its error
             if self._host_sampler is not None:
                 host = self._host_sampler(host)
             tokens = [int(t) for t in host[: len(self.snapshot.req_ids)].tolist()]

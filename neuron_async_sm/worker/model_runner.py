@@ -31,6 +31,7 @@ from neuron_async_sm.worker.model_input import (
 STEP_PROGRAM = "model_step"  # forward + on-device sampling -> token ids [B] int32
 LOGITS_PROGRAM = "model_logits"  # forward only -> logits [B, vocab], sampled on the host
 RELAY_PAD_PROGRAM = "relay_pad"  # sampled tokens [P] -> [relay_width(config)]: the relay's input, fixed in shape
+OUTPUT_RANK = 0  # the design's TP0: the one rank whose outputs reach the scheduler and are written back
 # Sync mode (the reference) runs no machine: nothing is ever pending, every input is CPU-built.
 SYNC_PLAN = sm.StepPlan(materialize_first=False, input_source=sm.InputSource.CPU)
 
@@ -72,6 +73,10 @@ class ModelRunner:
         self.config = config
         self.runtime = runtime
         self.rank = rank
+        # A non-output rank never brings a sampled token to the host: its futures are fed forward or
+        # dropped, and its CPU token state past the prompt stays POISON_TOKEN. Its programs compute
+        # on the output rank's input ids instead (broadcast on the device, model/parallel.py).
+        self.is_output_rank = rank == OUTPUT_RANK
         self.tracer = tracer
         self.use_async_scheduling = config.async_scheduling
         self.vocab_size = vocab_size
@@ -128,7 +133,8 @@ class ModelRunner:
         host_sampler = None if self.config.on_device_sampling else model_input.sample_on_host
         output = AsyncModelRunnerOutput(snapshot, executed.future, self._write_back, self.tracer, host_sampler)
         if not self.use_async_scheduling:
-            return output.get_output()  # Normal Flow: block on the host copy
+            # Normal Flow: block on the host copy (a non-output rank's is dropped unread).
+            return output.get_output() if self.is_output_rank else output
         # Reinstate: whatever path this step took, the next one can go async again.
         self.buffer = AsyncExecutionBuffer(executed.future, model_input.req_ids, output)
         self.machine.reinstate()
@@ -173,6 +179,8 @@ class ModelRunner:
             self._step_relay = self._relay_rows(model_input)
             rows = torch.tensor(self._step_relay, dtype=torch.int32)  # [B]
             return {"relay_tokens": self._relay_tokens(), "relay_rows": rows}
+        if not self.is_output_rank:
+            return {}  # the remap would read the future on the host; the output rank's ids replace these
         return {"input_ids": self._remap_pending(model_input)}  # InputSource.REMAPPED_FUTURE
 
     def _relay_tokens(self) -> DeviceFuture:
@@ -221,7 +229,7 @@ class ModelRunner:
 
     def _materialize_pending(self) -> None:
         """Break the async flow: bring the pending output to the host on this (main) thread."""
-        if self.buffer is not None:
+        if self.buffer is not None and self.is_output_rank:  # other ranks: see is_output_rank
             self.buffer.output.get_output()
 
     # -- CPU state ----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.model import TINY_LLAMA, TINY_LLAMA_CONFIG, ModelSpec, build_step_program
+from neuron_async_sm.trace import StepObserver
 from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput, StepSnapshot
 from neuron_async_sm.worker.input_batch import POISON_TOKEN
@@ -102,39 +103,31 @@ class Tracked:
             assert self.error, f"{rid}: error without a message"
 
 
-class Spy:
-    """Records every async output a runner creates and every token write-back, without changing them;
+class Spy(StepObserver):
+    """Records every output the engine samples and every token write-back, without changing them;
     on request, makes the write-back of one step raise (an output-thread fault).
 
-    Installed as instance attributes over the runner's own methods (the output captures `_write_back`
-    when it is created), so the engine's code paths are exactly the ones that run in production.
+    The engine's step observer (`Tracer.observe`): its hooks run inside the engine's own code paths,
+    exactly the ones that run in production.
     """
 
     def __init__(self, llm: LLM) -> None:
-        runner = llm.engine.runner
         self.outputs: list[AsyncModelRunnerOutput] = []
         self.write_backs: list[tuple[StepSnapshot, list[int]]] = []  # appended by whichever thread materializes
         self.explode_at_step: int | None = None  # this step's write-back raises, in whichever thread runs it
-        real_sample, real_write_back = runner.sample_tokens, runner._write_back
+        llm.engine.tracer.observe(self)
 
-        def sample_tokens():
-            output = real_sample()
-            if isinstance(output, AsyncModelRunnerOutput):
-                self.outputs.append(output)
-            return output
+    def output_created(self, output: AsyncModelRunnerOutput) -> None:
+        self.outputs.append(output)
 
-        def write_back(snapshot: StepSnapshot, tokens: list[int]) -> None:
-            if snapshot.step_id == self.explode_at_step:
-                raise RuntimeError(f"write-back exploded at step {snapshot.step_id}")
-            self.write_backs.append((snapshot, list(tokens)))
-            real_write_back(snapshot, tokens)
-
-        runner.sample_tokens = sample_tokens
-        runner._write_back = write_back
+    def write_back(self, snapshot: StepSnapshot, tokens: list[int]) -> None:
+        if snapshot.step_id == self.explode_at_step:
+            raise RuntimeError(f"write-back exploded at step {snapshot.step_id}")
+        self.write_backs.append((snapshot, list(tokens)))
 
     def check_materialized(self, llm: LLM) -> None:
         """At most once for every output; exactly once for every step the engine core has applied."""
-        queued = {scheduled.step_id for scheduled, _ in llm.engine.batch_queue or ()}
+        queued = {step.scheduled.step_id for step in llm.engine.batch_queue or ()}
         still_open = []
         for output in self.outputs:
             count = output.materialize_count

@@ -1,0 +1,81 @@
+"""Starting the ranks: one device runtime per tensor-parallel rank, on the chosen executor backend.
+
+`tensor_parallel_size=1` is the single device the engine always had. Above 1, every rank is its own
+device process holding its shard (`model/parallel.py`); the ranks rendezvous on a free localhost port
+and form a gloo process group among themselves, so they are started together: each one's startup
+blocks until all of them have joined.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from neuron_async_sm.config import EngineConfig
+from neuron_async_sm.errors import NeuronAsyncSMError
+from neuron_async_sm.model.parallel import TensorParallelGroup
+from neuron_async_sm.runtime import DeviceRuntime, ProgramFactory, RuntimeFactory, WarmupCall, create_runtime
+
+COLLECTIVE_TIMEOUT_S = 600.0
+"""Bound on the rendezvous and each collective when the device watchdog is off (device_timeout_s=0)."""
+
+
+class RankStartupError(NeuronAsyncSMError, RuntimeError):
+    """A tensor-parallel rank's device did not start; names the rank."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (rank 0 binds it moments later; a collision fails the rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def collective_timeout_s(config: EngineConfig) -> float:
+    """The group's timeout: the device watchdog's bound, so a collective waits no longer than a program may."""
+    return config.device_timeout_s if config.device_timeout_s > 0 else COLLECTIVE_TIMEOUT_S
+
+
+def start_ranks(
+    config: EngineConfig,
+    factory_for: Callable[[TensorParallelGroup | None], ProgramFactory],
+    warmup: Sequence[WarmupCall] = (),
+    runtime_factory: RuntimeFactory = create_runtime,
+) -> list[DeviceRuntime]:
+    """One runtime per rank, rank 0 first; `factory_for(group)` builds a rank's program factory.
+
+    All ranks start at once (their rendezvous needs every one of them). If any fails, the others
+    are closed and the error names the failed rank.
+    """
+    size = config.tensor_parallel_size
+    if size == 1:
+        return [_start(config, factory_for(None), warmup, runtime_factory)]
+    port = free_port()
+    groups = [TensorParallelGroup(rank, size, port, collective_timeout_s(config)) for rank in range(size)]
+    with ThreadPoolExecutor(max_workers=size, thread_name_prefix="neuron-rank-start") as pool:
+        futures = [pool.submit(_start, config, factory_for(group), warmup, runtime_factory) for group in groups]
+        errors = [future.exception() for future in futures]
+    runtimes = [future.result() for future, error in zip(futures, errors, strict=True) if error is None]
+    failed = [(rank, error) for rank, error in enumerate(errors) if error is not None]
+    if failed:
+        for runtime in runtimes:
+            runtime.kill()
+        rank, error = failed[0]
+        raise RankStartupError(f"tensor-parallel rank {rank} of {size} did not start: {error}") from error
+    return runtimes
+
+
+def _start(
+    config: EngineConfig, factory: ProgramFactory, warmup: Sequence[WarmupCall], runtime_factory: RuntimeFactory
+) -> DeviceRuntime:
+    return runtime_factory(
+        config.device,
+        factory,
+        warmup=warmup,  # compiling devices only
+        queue_depth=config.runtime_queue_depth,
+        device_time_ms=config.device_time_ms,
+        num_threads=config.device_threads,
+        device_cpu=config.device_cpu,
+        device_timeout_s=config.device_timeout_s,
+    )
