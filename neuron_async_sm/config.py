@@ -60,7 +60,6 @@ class EngineConfig:
     # The CPU the emulated device process owns (as an accelerator has its own silicon); the engine's
     # own threads keep off it. None: no pinning. Matters on a busy machine with few cores.
     device_cpu: int | None = None
-    max_concurrent_batches: int = 2  # batch queue depth in async mode (the design fixes it at 2)
     stats_log_interval_s: float = 10.0
     trace_path: str | None = None  # NDJSON trace of machine transitions and materializations
     # Ranks the model is split over (tensor parallelism): one device process each, holding its shard
@@ -108,8 +107,6 @@ class EngineConfig:
                 "async_scheduling: requires on_device_sampling (the sampled-token future feeds the "
                 "next program); pass --no-async-scheduling to sample on the host"
             )
-        if self.max_concurrent_batches != 2:
-            raise ConfigError(f"max_concurrent_batches: only 2 is supported, got {self.max_concurrent_batches}")
         _tensor_parallel(self)
 
     def decode_bucket(self, num_rows: int) -> int:

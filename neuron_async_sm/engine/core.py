@@ -12,6 +12,7 @@ import sys
 import time
 from collections import deque
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -51,6 +52,9 @@ from neuron_async_sm.worker.model_runner import (
 
 logger = logging.getLogger("neuron_async_sm")
 
+BATCH_QUEUE_DEPTH = 2
+"""Async mode runs one step ahead: at most two steps are enqueued whose output is not applied yet."""
+
 TEARDOWN_WAIT_S = 2.0
 """Bound on teardown's waits for host work. They run after the runtime is down, when no wait on the
 device is left: an in-flight output then resolves in milliseconds, so this is only a backstop."""
@@ -58,6 +62,14 @@ device is left: an in-flight output then resolves in milliseconds, so this is on
 
 class EngineDeadError(NeuronAsyncSMError, RuntimeError):
     """The engine failed earlier; build a new one."""
+
+
+@dataclass(frozen=True)
+class InFlightStep:
+    """A batch queue entry: a step enqueued on the worker, and its output (resolved by the output thread)."""
+
+    scheduled: SchedulerOutput
+    output: Future[ModelRunnerOutput]
 
 
 class StepProgramFactory:
@@ -137,9 +149,7 @@ class EngineCore:
         self._seed_base = config.seed * 1_000_003
         self._arrivals = 0
         # Async: steps enqueued on the worker whose output is not applied yet, oldest first.
-        self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] | None = (
-            deque() if config.async_scheduling else None
-        )
+        self.batch_queue: deque[InFlightStep] | None = deque() if config.async_scheduling else None
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
         self.dead_reason: str | None = None
         self.interrupted = False  # a step was interrupted (Ctrl-C): shutdown() waits for nothing
@@ -176,14 +186,17 @@ class EngineCore:
 
     def step(self) -> list[RequestDelta]:
         """Synchronous step (Normal Flow): schedule, execute, block on tokens, update."""
-        scheduled = self.scheduler.schedule()
+        observer = self.tracer.observer
+        with observer.span("schedule"):
+            scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
         self.num_steps += 1
         self.executor.execute_model(scheduled)
         output = self.executor.sample_tokens()
         assert isinstance(output, ModelRunnerOutput)
-        return self.scheduler.update_from_output(scheduled, output)
+        with observer.span("output"):
+            return self.scheduler.update_from_output(scheduled, output)
 
     def step_with_batch_queue(self) -> list[RequestDelta]:
         """Async step, one step ahead with a batch queue of depth 2.
@@ -195,19 +208,25 @@ class EngineCore:
            apply it to the scheduler. The next call schedules the step after.
         """
         assert self.batch_queue is not None
-        if len(self.batch_queue) < self.config.max_concurrent_batches:
-            scheduled = self.scheduler.schedule()
+        observer = self.tracer.observer
+        if len(self.batch_queue) < BATCH_QUEUE_DEPTH:
+            with observer.span("schedule"):
+                scheduled = self.scheduler.schedule()
             if not scheduled.is_empty:
                 self.num_steps += 1
-                self.batch_queue.append((scheduled, self.executor.execute_model_async(scheduled)))
-                if len(self.batch_queue) < self.config.max_concurrent_batches:
+                self.batch_queue.append(InFlightStep(scheduled, self.executor.execute_model_async(scheduled)))
+                if len(self.batch_queue) < BATCH_QUEUE_DEPTH:
                     return []
         if not self.batch_queue:
             return []
-        scheduled, future = self.batch_queue.popleft()
+        oldest = self.batch_queue.popleft()
+        scheduled = oldest.scheduled
         # Unbounded here, bounded below: the output thread waits only on the device, whose watchdog
         # fails every waiter after device_timeout_s without progress (DeviceHungError; 0: unbounded).
-        deltas = self.scheduler.update_from_output(scheduled, future.result())
+        with observer.span("result"):
+            output = oldest.output.result()
+        with observer.span("output"):
+            deltas = self.scheduler.update_from_output(scheduled, output)
         if self.tracer.enabled:  # the spec's AdvanceStep: who got a token, who finished and why
             self.tracer.event(
                 "AdvanceStep",
@@ -257,14 +276,14 @@ class EngineCore:
                 runtime.kill()
             else:
                 runtime.close()
-        in_flight = [future for _, future in self.batch_queue or ()]
+        in_flight = [step.output for step in self.batch_queue or ()]
         if self.batch_queue:
             self.batch_queue.clear()
         # Hazard: a half-materialized output. fail_all() and drain() must not run while the
         # output thread still writes a step's tokens back: wait until every in-flight step resolved.
         deadline = time.monotonic() + TEARDOWN_WAIT_S
         late = 0
-        for future in in_flight:  # any Future-like (the bench probe wraps them): exception(timeout) only
+        for future in in_flight:
             try:
                 future.exception(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:

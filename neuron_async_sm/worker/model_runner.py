@@ -98,7 +98,16 @@ class ModelRunner:
     # -- the step -----------------------------------------------------------------------------------
 
     def execute_model(self, scheduled: SchedulerOutput) -> None:
-        """Update states, prepare inputs, enqueue the program. Sync mode blocks on its output."""
+        """Update states, prepare inputs, enqueue the program."""
+        with self.tracer.observer.span("execute"):
+            self._execute_model(scheduled)
+
+    def sample_tokens(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Snapshot the row owners and return the step's output (async: still a future; sync: blocks on it)."""
+        with self.tracer.observer.span("output"):
+            return self._sample_tokens()
+
+    def _execute_model(self, scheduled: SchedulerOutput) -> None:
         self._step_id = scheduled.step_id
         self._step_relay = []
         if self._header_due:
@@ -108,7 +117,8 @@ class ModelRunner:
         if plan.materialize_first:
             # Hazard: stale input ids. The newest token of these requests exists only in the pending
             # future; materialize it into CPU state *before* the batch is updated and inputs built.
-            self._materialize_pending()
+            with self.tracer.observer.span("materialize"):
+                self._materialize_pending()
         self._update_states(scheduled)
         model_input = self._prepare_model_input(scheduled)
         if path is not None:
@@ -124,14 +134,14 @@ class ModelRunner:
             future = self.runtime.enqueue(LOGITS_PROGRAM, model_input.forward_inputs(), out)
         self._executed = ExecutedStep(scheduled, model_input, future, path)
 
-    def sample_tokens(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        """Snapshot the row owners and return the step's output (async: still a future)."""
+    def _sample_tokens(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         executed, self._executed = self._executed, None
         assert executed is not None, "sample_tokens() without execute_model()"
         model_input = executed.model_input
         snapshot = StepSnapshot(executed.scheduled.step_id, model_input.req_ids, model_input.sample_positions)
         host_sampler = None if self.config.on_device_sampling else model_input.sample_on_host
         output = AsyncModelRunnerOutput(snapshot, executed.future, self._write_back, self.tracer, host_sampler)
+        self.tracer.observer.output_created(output)
         if not self.use_async_scheduling:
             # Normal Flow: block on the host copy (a non-output rank's is dropped unread).
             return output.get_output() if self.is_output_rank else output
@@ -141,7 +151,7 @@ class ModelRunner:
         return output
 
     def drain(self) -> None:
-        """Forget the pending future (after a failure or on shutdown)."""
+        """Forget the pending future (after a failure; a shut-down engine is not reused, nothing drains it)."""
         self.buffer = None
         self._executed = None
         self.machine.drain()
@@ -225,7 +235,8 @@ class ModelRunner:
         for i, req_id in enumerate(model_input.req_ids):
             order[i] = prev_row[req_id]
         self._step_gather = order
-        return self.buffer.future.index_select(torch.tensor(order, dtype=torch.int64))
+        with self.tracer.observer.span("fetch"):
+            return self.buffer.future.index_select(torch.tensor(order, dtype=torch.int64))
 
     def _materialize_pending(self) -> None:
         """Break the async flow: bring the pending output to the host on this (main) thread."""
@@ -249,6 +260,7 @@ class ModelRunner:
 
     def _write_back(self, snapshot: StepSnapshot, tokens: list[int]) -> None:
         """Write sampled tokens into CPU state by the snapshot's request ids (never by current row)."""
+        self.tracer.observer.write_back(snapshot, tokens)
         with self._state_lock:
             # Hazard: token ownership after condense(). One scatter addressed by the snapshot's
             # request ids; the rows may have moved or left since this step was sampled.
