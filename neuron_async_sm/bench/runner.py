@@ -5,14 +5,13 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from neuron_async_sm.bench.metrics import RequestTimes, compare, median_metrics, run_metrics
 from neuron_async_sm.bench.probe import StepProbe
 from neuron_async_sm.bench.workloads import Workload
-from neuron_async_sm.engine.llm import LLM
+from neuron_async_sm.engine.llm import LLM, Turn
 from neuron_async_sm.worker.async_machine import ASYNC_STATES
 
 Progress = Callable[[str], None]
@@ -109,28 +108,29 @@ class ProbedLLM:
         llm, probe = self.llm, self.probe
         self._runs += 1
         before = llm.stats()
-        pending = deque(sorted(workload.tagged(f"r{self._runs}"), key=lambda r: r.arrival_step))
         arrival: dict[str, float] = {}
         stamps: dict[str, list[float]] = {}
         gc.collect()
         probe.reset()
         load = load_average()
         other = OtherLoad([llm.engine.runtime.device_pid])  # type: ignore[attr-defined]
+
+        def arrived(turn: Turn) -> None:
+            if turn.rejected:
+                request, exc = turn.rejected[0]
+                raise RuntimeError(f"request {request.request_id} rejected: {exc}")
+            now = time.perf_counter()
+            for request in turn.admitted:
+                arrival[request.request_id], stamps[request.request_id] = now, []
+
+        tagged = workload.tagged(f"r{self._runs}")
         started = time.perf_counter()
-        turn = 0
-        while pending or llm.has_unfinished_requests():
-            while pending and pending[0].arrival_step <= turn:
-                request = pending.popleft()
-                rid = llm.add_request(request.prompt_token_ids, request.sampling_params, request.request_id)
-                arrival[rid], stamps[rid] = time.perf_counter(), []
-            if llm.has_unfinished_requests():
-                deltas = probe.turn(llm.step)
-                now = time.perf_counter()
-                for delta in deltas:
-                    stamps[delta.request_id].extend([now] * len(delta.new_token_ids))
-                    if delta.error is not None:
-                        raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
-            turn += 1
+        for turn in llm.turns(tagged, before_step=arrived, step=lambda: probe.turn(llm.step)):
+            now = time.perf_counter()
+            for delta in turn.deltas:
+                stamps[delta.request_id].extend([now] * len(delta.new_token_ids))
+                if delta.error is not None:
+                    raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
         wall = time.perf_counter() - started
         requests = {rid: RequestTimes(arrival[rid], tuple(stamps[rid])) for rid in arrival}
         counters = _counters(before, llm.stats())

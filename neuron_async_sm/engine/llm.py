@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.engine.core import EngineCore
@@ -23,6 +24,16 @@ class PromptRequest:
     arrival_step: int = 0  # added just before the engine's arrival_step-th loop turn (0-based)
 
 
+@dataclass
+class Turn:
+    """One turn of the arrival loop (`LLM.turns`): who arrived before it, and what its engine turn produced."""
+
+    index: int
+    admitted: list[PromptRequest] = field(default_factory=list)
+    rejected: list[tuple[PromptRequest, InvalidRequestError]] = field(default_factory=list)
+    deltas: list[RequestDelta] = field(default_factory=list)  # empty when nothing was unfinished
+
+
 class LLM:
     """Generate with the engine: `LLM(model="tiny-llama", async_scheduling=True, ...)`.
 
@@ -34,7 +45,6 @@ class LLM:
     def __init__(self, model: str = "tiny-llama", runtime_factory: RuntimeFactory = create_runtime, **config: object):
         self.engine = EngineCore(EngineConfig(model=model, **config), runtime_factory)  # type: ignore[arg-type]
         self._ids = itertools.count()
-        self.num_loop_turns = 0
 
     @property
     def config(self) -> EngineConfig:
@@ -60,7 +70,6 @@ class LLM:
 
     def step(self) -> list[RequestDelta]:
         """One turn of the engine loop: the tokens and finishes it produced."""
-        self.num_loop_turns += 1
         return self.engine.run_step()
 
     def abort(self, request_id: str) -> RequestDelta | None:
@@ -71,31 +80,55 @@ class LLM:
 
     # -- whole-run API ------------------------------------------------------------------------------
 
+    def turns(
+        self,
+        requests: Sequence[PromptRequest | list[int]],
+        *,
+        before_step: Callable[[Turn], None] | None = None,
+        step: Callable[[], list[RequestDelta]] | None = None,
+        max_turns: int | None = None,
+    ) -> Iterator[Turn]:
+        """The arrival loop, turn by turn, until every request arrived and finished.
+
+        Before turn t, every request whose `arrival_step` <= t is added (a rejected one is reported, not
+        raised); then `before_step(turn)` runs (e.g. to abort), then one engine turn (`step`, default
+        `self.step`) if anything is unfinished. Yields each turn, steps or not.
+        """
+        normalized = (self._as_request(r, None, i) for i, r in enumerate(requests))
+        pending = deque(sorted(normalized, key=lambda r: r.arrival_step))
+        index = 0
+        while pending or self.has_unfinished_requests():
+            if max_turns is not None and index >= max_turns:
+                raise RuntimeError(f"requests still unfinished after {max_turns} turns")
+            turn = Turn(index)
+            while pending and pending[0].arrival_step <= index:
+                request = pending.popleft()
+                try:
+                    self.add_request(request.prompt_token_ids, request.sampling_params, request.request_id)
+                except InvalidRequestError as exc:
+                    turn.rejected.append((request, exc))
+                else:
+                    turn.admitted.append(request)
+            if before_step is not None:
+                before_step(turn)
+            if self.has_unfinished_requests():
+                turn.deltas = (step or self.step)()
+            yield turn
+            index += 1
+
     def stream(
         self,
         requests: Sequence[PromptRequest | list[int]],
         sampling_params: SamplingParams | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield per-step deltas (new tokens of one request; `finished` on its last) as steps finish."""
-        pending = sorted(
-            (self._as_request(r, sampling_params, i) for i, r in enumerate(requests)),
-            key=lambda r: r.arrival_step,
-        )
-        prompts: dict[str, list[int]] = {}
-        turn = 0
-        while pending or self.has_unfinished_requests():
-            while pending and pending[0].arrival_step <= turn:
-                request = pending.pop(0)
-                assert request.request_id is not None
-                prompts[request.request_id] = request.prompt_token_ids
-                try:
-                    self.add_request(request.prompt_token_ids, request.sampling_params, request.request_id)
-                except InvalidRequestError as exc:
-                    yield RequestOutput(request.request_id, request.prompt_token_ids, [], True, "error", str(exc))
-            if self.has_unfinished_requests():
-                for delta in self.step():
-                    yield _to_output(delta, prompts.get(delta.request_id, []))
-            turn += 1
+        normalized = [self._as_request(r, sampling_params, i) for i, r in enumerate(requests)]
+        prompts = {r.request_id: r.prompt_token_ids for r in normalized}
+        for turn in self.turns(normalized):
+            for request, exc in turn.rejected:
+                yield RequestOutput(request.request_id, request.prompt_token_ids, [], True, "error", str(exc))
+            for delta in turn.deltas:
+                yield _to_output(delta, prompts.get(delta.request_id, []))
 
     def generate(
         self,

@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass, field
 
 from neuron_async_sm import LLM, SamplingParams
+from neuron_async_sm.engine.llm import PromptRequest, Turn
 
 
 @dataclass
@@ -46,27 +47,26 @@ def random_workload(rng: random.Random, tag: str, vocab: int = 1024, max_prompt:
 def drive(llm: LLM, items: list[WorkItem], *, aborts: bool = True, max_turns: int = 10_000) -> RunResult:
     """Add each item at its arrival turn, abort at its abort turn, step until everything finished."""
     result = RunResult()
-    pending = sorted(items, key=lambda w: w.arrival_turn)
+    requests = [PromptRequest(w.prompt, w.params, w.request_id, w.arrival_turn) for w in items]
     added: set[str] = set()
-    for turn in range(max_turns):
-        while pending and pending[0].arrival_turn <= turn:
-            item = pending.pop(0)
-            llm.add_request(item.prompt, item.params, item.request_id)
-            added.add(item.request_id)
-            result.tokens[item.request_id] = []
+
+    def before_step(turn: Turn) -> None:
+        assert not turn.rejected, turn.rejected
+        for request in turn.admitted:
+            added.add(request.request_id)
+            result.tokens[request.request_id] = []
         if aborts:
             for item in items:
-                if item.abort_turn == turn and item.request_id in added:
+                if item.abort_turn == turn.index and item.request_id in added:
                     delta = llm.abort(item.request_id)
                     if delta is not None:
                         result.finish[item.request_id] = delta.finish_reason
-        deltas = llm.step() if llm.has_unfinished_requests() else []
-        for d in deltas:
+
+    for turn in llm.turns(requests, before_step=before_step, max_turns=max_turns):
+        for d in turn.deltas:
             assert d.request_id not in result.finish, f"{d.request_id} got a token after it finished"
             result.tokens[d.request_id].extend(d.new_token_ids)
             if d.finish_reason is not None:
                 result.finish[d.request_id] = d.finish_reason
-        result.deltas_per_turn.append(len(deltas))
-        if not pending and not llm.has_unfinished_requests():
-            return result
-    raise AssertionError("workload did not finish")
+        result.deltas_per_turn.append(len(turn.deltas))
+    return result
