@@ -6,6 +6,7 @@ engine reads environment variables or re-validates.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -137,8 +138,9 @@ def _device_cpu(cpu: object, device: str) -> None:
         raise ConfigError("device_cpu: the host needs a CPU besides the device's; this machine has one")
 
 
-EXECUTOR_BACKENDS = ("mp",)
-"""`mp`: each rank's device process is spawned by this process (multiprocessing)."""
+EXECUTOR_BACKENDS = ("mp", "ray")
+"""`mp`: each rank's device process is spawned by this process (multiprocessing). `ray`: each is a Ray
+actor in a placement group (the `ray` extra), on the cluster at RAY_ADDRESS or a local Ray instance."""
 
 
 def _tensor_parallel(config: EngineConfig) -> None:
@@ -148,8 +150,14 @@ def _tensor_parallel(config: EngineConfig) -> None:
         raise ConfigError(
             f"distributed_executor_backend: unknown backend {backend!r}; choose one of {', '.join(EXECUTOR_BACKENDS)}"
         )
-    if config.tensor_parallel_size == 1:
+    if backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise ConfigError("distributed_executor_backend: 'ray' needs Ray: pip install -e '.[ray]'")
+    if config.tensor_parallel_size == 1 and backend == "mp":
         return
+    if backend == "ray" and config.device != "cpu":
+        raise ConfigError(
+            f"distributed_executor_backend: 'ray' runs the device process (device='cpu'), got {config.device!r}"
+        )
     if config.device != "cpu":
         raise ConfigError(
             f"tensor_parallel_size: {config.tensor_parallel_size} ranks need the device process "

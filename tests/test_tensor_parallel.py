@@ -6,6 +6,7 @@ shard of the weights and of the KV cache; nothing is mocked.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -65,17 +66,22 @@ def workloads(seed: int, n: int) -> list:
 def test_tp2_gives_tp1_tokens_on_churn(reference, mode):
     """Churn (arrivals, finishes, chunked prefills, aborts) reaches every path the mode has, on two ranks."""
     with LLM("tiny-llama", tensor_parallel_size=2, **mode, **ENGINE) as llm:
-        assert len(llm.engine.runtimes) == 2 and len({r.device_pid for r in llm.engine.runtimes}) == 2
-        for items in workloads(7, 5):
-            expected = drive(reference, items, aborts=False)
-            got = drive(llm, items, aborts=True)
-            for item in items:
-                rid = item.request_id
-                if got.finish[rid] == "abort":
-                    assert got.tokens[rid] == expected.tokens[rid][: len(got.tokens[rid])], rid
-                else:
-                    assert (got.tokens[rid], got.finish[rid]) == (expected.tokens[rid], expected.finish[rid]), rid
-        stats = llm.stats()
+        check_churn(llm, reference, mode)
+
+
+def check_churn(llm: LLM, reference: LLM, mode: dict) -> None:
+    """`llm` (two ranks) emits `reference`'s tokens on churn and reaches every path its mode has."""
+    assert len(llm.engine.runtimes) == 2 and len({r.device_pid for r in llm.engine.runtimes}) == 2
+    for items in workloads(7, 5):
+        expected = drive(reference, items, aborts=False)
+        got = drive(llm, items, aborts=True)
+        for item in items:
+            rid = item.request_id
+            if got.finish[rid] == "abort":
+                assert got.tokens[rid] == expected.tokens[rid][: len(got.tokens[rid])], rid
+            else:
+                assert (got.tokens[rid], got.finish[rid]) == (expected.tokens[rid], expected.finish[rid]), rid
+    stats = llm.stats()
     if mode.get("async_scheduling", True):
         reached = {s for s, n in stats["state_counts"].items() if n > 0}
         # The non-output rank's own paths: it never reads its future, even where the output rank must.
@@ -97,7 +103,7 @@ def test_scenario_counters_are_the_same_at_tp2(tmp_path, name, relay):
     assert [len(o.output_token_ids) for o in outputs] == [r.sampling_params.max_tokens for r in requests]
 
 
-def _generate(checkpoint: Path, prompts: Path, out: Path, *flags: str) -> list[dict]:
+def generate(checkpoint: Path, prompts: Path, out: Path, *flags: str) -> list[dict]:
     cmd = [sys.executable, "-m", "neuron_async_sm", "generate", "--model", str(checkpoint), "--prompts", str(prompts)]
     cmd += ["--output", str(out), "--dtype", "float64", "--max-model-len", "64", "--no-progress", *flags]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
@@ -105,8 +111,8 @@ def _generate(checkpoint: Path, prompts: Path, out: Path, *flags: str) -> list[d
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def test_cli_tp2_gives_tp1_tokens_on_a_local_checkpoint(tmp_path):
-    """`generate --tensor-parallel-size 2` as a real CLI process, async and sync, on an HF checkpoint."""
+def cli_tp1_tokens(tmp_path: Path) -> tuple[tuple[Path, Path], tuple[str, ...], list[dict]]:
+    """A local HF checkpoint, prompts for it, small-batch flags, and TP=1's output lines (a CLI run)."""
     checkpoint = write_checkpoint(tmp_path / "ckpt", CHECKPOINT_CONFIG, seed=3)
     rng = random.Random(5)
     lines = [
@@ -122,16 +128,33 @@ def test_cli_tp2_gives_tp1_tokens_on_a_local_checkpoint(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
     small = ("--max-num-batched-tokens", "16", "--prefill-buckets", "8,16", "--decode-buckets", "2,4,8")
-    expected = _generate(checkpoint, prompts, tmp_path / "tp1.jsonl", *small)
+    expected = generate(checkpoint, prompts, tmp_path / "tp1.jsonl", *small)
     assert all(r["finish_reason"] in ("stop", "length") and r["output_token_ids"] for r in expected), expected
-    for mode in ("--async-scheduling", "--no-async-scheduling"):
-        got = _generate(checkpoint, prompts, tmp_path / "tp2.jsonl", *small, mode, "--tensor-parallel-size", "2")
-        assert got == expected, mode
+    return (checkpoint, prompts), small, expected
+
+
+def test_cli_tp2_gives_tp1_tokens_on_a_local_checkpoint(tmp_path):
+    """`generate --tensor-parallel-size 2` as a real CLI process, async and sync, on an HF checkpoint;
+    and on Ray where the extra is installed (CI installs it; one TP=1 run serves all three)."""
+    files, small, expected = cli_tp1_tokens(tmp_path)
+    runs = [("--async-scheduling",), ("--no-async-scheduling",)]
+    if importlib.util.find_spec("ray") is not None:
+        runs.append(("--async-scheduling", "--distributed-executor-backend", "ray"))
+    for flags in runs:
+        got = generate(*files, tmp_path / "tp2.jsonl", *small, *flags, "--tensor-parallel-size", "2")
+        assert got == expected, flags
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_killed_rank_ends_the_engine_naming_the_rank(async_scheduling):
     llm = LLM("tiny-llama", tensor_parallel_size=2, async_scheduling=async_scheduling, device_timeout_s=30)
+    pid = llm.engine.runtimes[1].device_pid
+    kill_rank_one(llm, f"device process {pid} was killed by signal 9")
+
+
+def kill_rank_one(llm: LLM, exit_text: str) -> None:
+    """SIGKILL rank 1's device mid-run: every request errors naming rank 1 (`exit_text` says how it
+    died), the other rank's device goes too, the engine is dead. Closes `llm`."""
     pids = [runtime.device_pid for runtime in llm.engine.runtimes]
     try:
         for i in range(4):
@@ -150,9 +173,12 @@ def test_killed_rank_ends_the_engine_naming_the_rank(async_scheduling):
         assert {d.finish_reason for d in finishes.values()} == {"error"}
         for delta in finishes.values():
             assert delta.error.startswith("RankFailedError: tensor-parallel rank 1 failed"), delta.error
-            assert f"device process {pids[1]} was killed by signal 9" in delta.error, delta.error
+            assert exit_text in delta.error, delta.error
         assert elapsed < 10, f"the engine took {elapsed:.1f} s to notice the dead rank"
         # The dead engine took its other rank down with it, before anyone closed it.
+        deadline = time.monotonic() + 5  # a Ray actor's process exits shortly after ray.kill()
+        while not all(map(process_gone, pids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert [pid for pid in pids if not process_gone(pid)] == []
         with pytest.raises(EngineDeadError, match="tensor-parallel rank 1"):
             llm.step()

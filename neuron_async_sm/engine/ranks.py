@@ -8,6 +8,8 @@ blocks until all of them have joined.
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.errors import NeuronAsyncSMError
 from neuron_async_sm.model.parallel import TensorParallelGroup
-from neuron_async_sm.runtime import DeviceRuntime, ProgramFactory, RuntimeFactory, WarmupCall, create_runtime
+from neuron_async_sm.runtime import (
+    DeviceKind,
+    DeviceRuntime,
+    ProgramFactory,
+    RuntimeConfig,
+    RuntimeFactory,
+    WarmupCall,
+    create_runtime,
+)
 
 COLLECTIVE_TIMEOUT_S = 600.0
 """Bound on the rendezvous and each collective when the device watchdog is off (device_timeout_s=0)."""
@@ -49,12 +59,21 @@ def start_ranks(
     are closed and the error names the failed rank.
     """
     size = config.tensor_parallel_size
+    if config.distributed_executor_backend == "ray":
+        return _start_ray_ranks(config, factory_for)
     if size == 1:
         return [_start(config, factory_for(None), warmup, runtime_factory)]
     port = free_port()
     groups = [TensorParallelGroup(rank, size, port, collective_timeout_s(config)) for rank in range(size)]
-    with ThreadPoolExecutor(max_workers=size, thread_name_prefix="neuron-rank-start") as pool:
-        futures = [pool.submit(_start, config, factory_for(group), warmup, runtime_factory) for group in groups]
+    return _together(
+        [lambda group=group: _start(config, factory_for(group), warmup, runtime_factory) for group in groups]
+    )
+
+
+def _together(starts: list[Callable[[], DeviceRuntime]]) -> list[DeviceRuntime]:
+    """Run every rank's start at once; if any fails, kill the ones that started and name the rank."""
+    with ThreadPoolExecutor(max_workers=len(starts), thread_name_prefix="neuron-rank-start") as pool:
+        futures = [pool.submit(start) for start in starts]
         errors = [future.exception() for future in futures]
     runtimes = [future.result() for future, error in zip(futures, errors, strict=True) if error is None]
     failed = [(rank, error) for rank, error in enumerate(errors) if error is not None]
@@ -62,8 +81,65 @@ def start_ranks(
         for runtime in runtimes:
             runtime.kill()
         rank, error = failed[0]
-        raise RankStartupError(f"tensor-parallel rank {rank} of {size} did not start: {error}") from error
+        raise RankStartupError(f"tensor-parallel rank {rank} of {len(starts)} did not start: {error}") from error
     return runtimes
+
+
+def ray_init(num_cpus: int) -> None:
+    """Join the Ray cluster at RAY_ADDRESS, or start a local instance of `num_cpus` CPUs, no dashboard.
+
+    Once per process: a later engine reuses the connection. Read at the edge, at engine start-up.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+
+
+def _start_ray_ranks(
+    config: EngineConfig, factory_for: Callable[[TensorParallelGroup | None], ProgramFactory]
+) -> list[DeviceRuntime]:
+    """Each rank's device is a Ray actor in one placement group; the host drives it over TCP."""
+    from neuron_async_sm.runtime.host_runtime import HostRuntime
+    from neuron_async_sm.runtime.ray_channel import RayChannel, RayGang
+
+    size = config.tensor_parallel_size
+    ray_init(num_cpus=os.cpu_count() or size)
+    import ray
+
+    timeout = collective_timeout_s(config)
+    gang = RayGang(size, ready_timeout_s=timeout)
+    actors = [gang.actor(rank) for rank in range(size)]
+    groups: list[TensorParallelGroup | None] = [None]
+    if size > 1:
+        host, _ = ray.get(actors[0].describe.remote(), timeout=timeout)
+        port = ray.get(actors[0].free_port.remote(), timeout=timeout)  # free on rank 0's node, not ours
+        groups = [TensorParallelGroup(rank, size, port, timeout, host=host) for rank in range(size)]
+    runtime_config = RuntimeConfig(
+        device=DeviceKind.PROCESS,
+        queue_depth=config.runtime_queue_depth,
+        device_time_ms=config.device_time_ms,
+        num_threads=config.device_threads,
+        device_timeout_s=config.device_timeout_s,
+    )
+
+    def start(rank: int) -> DeviceRuntime:
+        channel = RayChannel(
+            gang, actors[rank], factory_for(groups[rank]), config.device_time_ms, config.device_threads
+        )
+        return HostRuntime(channel, runtime_config)
+
+    try:
+        return _together([lambda rank=rank: start(rank) for rank in range(size)])
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        raise
 
 
 def _start(
