@@ -23,6 +23,7 @@ from neuron_async_sm.results_file import ResultsFile, ResultsWriteError
 from neuron_async_sm.runtime import DeviceStartupError
 from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
 from neuron_async_sm.serve.command import add_serve_parser
+from neuron_async_sm.values import is_int
 
 EXIT_OK = 0  # every request succeeded
 EXIT_FAILED = 1  # at least one request failed (bad line, engine error); every other result is still written
@@ -134,7 +135,7 @@ def parse_request_line(line: str, index: int, tokenizer: object | None) -> Promp
     params_fields = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos")
     params = SamplingParams(**{k: obj[k] for k in params_fields if k in obj})
     arrival = obj.get("arrival_step", 0)
-    if not isinstance(arrival, int) or isinstance(arrival, bool) or arrival < 0:
+    if not is_int(arrival) or arrival < 0:
         raise InvalidRequestError(f"arrival_step: must be an integer >= 0, got {arrival!r}")
     request_id = obj.get("request_id")
     if request_id is not None and not isinstance(request_id, str):

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from neuron_async_sm.errors import NeuronAsyncSMError
+from neuron_async_sm.values import is_int, is_number
 
 DEVICES = ("cpu", "cpu-inprocess", "xla", "accelerator", "cuda")
 """`cpu`: the emulated Neuron device as a separate process (true host/device overlap).
@@ -85,11 +86,11 @@ class EngineConfig:
         _positive("device_threads", self.device_threads)
         if self.device_cpu is not None:
             _device_cpu(self.device_cpu, self.device)
-        if not isinstance(self.device_time_ms, (int, float)) or isinstance(self.device_time_ms, bool):
+        if not is_number(self.device_time_ms):
             raise ConfigError(f"device_time_ms: must be a number, got {self.device_time_ms!r}")
         if not self.device_time_ms >= 0:  # also rejects NaN
             raise ConfigError(f"device_time_ms: must be >= 0, got {self.device_time_ms}")
-        if not isinstance(self.device_timeout_s, (int, float)) or isinstance(self.device_timeout_s, bool):
+        if not is_number(self.device_timeout_s):
             raise ConfigError(f"device_timeout_s: must be a number of seconds, got {self.device_timeout_s!r}")
         if not 0 <= self.device_timeout_s < float("inf"):  # also rejects NaN
             raise ConfigError(f"device_timeout_s: must be >= 0 and finite (0 disables), got {self.device_timeout_s}")
@@ -132,7 +133,7 @@ def _device_cpu(cpu: object, device: str) -> None:
     if not hasattr(os, "sched_setaffinity"):
         raise ConfigError("device_cpu: this platform cannot pin a process to a CPU")
     cpus = os.cpu_count() or 1
-    if not isinstance(cpu, int) or isinstance(cpu, bool) or not 0 <= cpu < cpus:
+    if not is_int(cpu) or not 0 <= cpu < cpus:
         raise ConfigError(f"device_cpu: must be a CPU number in [0, {cpus}), got {cpu!r}")
     if cpus < 2:
         raise ConfigError("device_cpu: the host needs a CPU besides the device's; this machine has one")
@@ -168,19 +169,19 @@ def _tensor_parallel(config: EngineConfig) -> None:
 
 
 def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
 
 
 def _positive_number(name: str, value: object) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:  # also NaN
+    if not is_number(value) or not 0 < value < math.inf:  # also NaN
         raise ConfigError(f"{name}: must be a positive number, got {value!r}")
 
 
 def _buckets(name: str, sizes: object) -> tuple[int, ...]:
     """Sorted, deduplicated bucket sizes; ConfigError unless a non-empty collection of positive integers."""
     ok = isinstance(sizes, (tuple, list, set, frozenset))
-    ok = ok and bool(sizes) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes)
+    ok = ok and bool(sizes) and all(is_int(s) and s >= 1 for s in sizes)
     if not ok:
         raise ConfigError(f"{name}: need a non-empty list of positive integer sizes, got {sizes!r}")
     return tuple(sorted(set(sizes)))  # type: ignore[arg-type]

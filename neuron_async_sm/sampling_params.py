@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from neuron_async_sm.errors import NeuronAsyncSMError
+from neuron_async_sm.values import is_int, is_number
 
 
 class InvalidRequestError(NeuronAsyncSMError, ValueError):
@@ -31,23 +32,19 @@ class SamplingParams:
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
             raise InvalidRequestError(f"stop_token_ids: must be a list of integers, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
+        if not is_number(self.temperature):
             raise InvalidRequestError(f"temperature: must be a number, got {self.temperature!r}")
         if not self.temperature >= 0:  # also rejects NaN
             raise InvalidRequestError(f"temperature: must be >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise InvalidRequestError(f"top_k: must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p: must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise InvalidRequestError(f"seed: must be an integer in [0, 2**63), got {self.seed!r}")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids: must be non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos: must be true or false, got {self.ignore_eos!r}")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -21,6 +21,7 @@ from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.outputs import ModelRunnerOutput, NewRequestData, RequestDelta, SchedulerOutput
 from neuron_async_sm.request import FinishReason, Request, RequestStatus
 from neuron_async_sm.sampling_params import InvalidRequestError
+from neuron_async_sm.values import is_int
 
 
 class Scheduler:
@@ -50,7 +51,7 @@ class Scheduler:
             raise InvalidRequestError(f"request_id: duplicate request id {request.request_id!r}")
         if not prompt:
             raise InvalidRequestError("prompt_token_ids: empty prompt")
-        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        bad = [t for t in prompt if not is_int(t) or not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(
                 f"prompt_token_ids: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from neuron_async_sm.bench.checkpoint import write_checkpoint as write_hf_checkpoint
 from neuron_async_sm.model import (
     TINY_LLAMA,
     TINY_LLAMA_CONFIG,
@@ -38,12 +39,8 @@ CONFIG = dict(
 
 
 def write_checkpoint(path: Path, **overrides) -> Path:
-    """config.json + model.safetensors with random weights of the right names and shapes."""
-    path.mkdir(parents=True, exist_ok=True)
-    raw = {**CONFIG, **overrides}
-    (path / "config.json").write_text(json.dumps(raw))
-    save_file(random_state_dict(load_model_config(str(path)), seed=0), str(path / "model.safetensors"))
-    return path
+    """config.json (CONFIG with `overrides`) + model.safetensors with random weights of the right names and shapes."""
+    return write_hf_checkpoint(path, {**CONFIG, **overrides})
 
 
 def build(path: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from neuron_async_sm.model import TINY_LLAMA_CONFIG, LlamaConfig
+from neuron_async_sm.model import TINY_LLAMA_CONFIG, LlamaConfig, load_model_config
 from neuron_async_sm.model.loader import random_state_dict
 
 MICRO_LLAMA_CONFIG = replace(
@@ -51,10 +51,17 @@ def hf_config(config: LlamaConfig) -> dict:
     }
 
 
-def write_checkpoint(directory: str | Path, config: LlamaConfig = TINY_LLAMA_CONFIG, seed: int = 0) -> Path:
-    """config.json + model.safetensors holding the weights `tiny-llama` builds from `seed` (for this config)."""
+def write_checkpoint(directory: str | Path, config: LlamaConfig | dict = TINY_LLAMA_CONFIG, seed: int = 0) -> Path:
+    """config.json + model.safetensors holding the random weights `tiny-llama` builds from `seed`.
+
+    `config`: a LlamaConfig (written as `hf_config` spells it), or a raw config.json dict, any fields
+    as Hugging Face spells them (rope scaling, legacy keys); the weights then follow the config as
+    our loader reads it back.
+    """
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(random_state_dict(config, seed), str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(hf_config(config), indent=2) + "\n", encoding="utf-8")
+    raw = hf_config(config) if isinstance(config, LlamaConfig) else config
+    (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
+    model = config if isinstance(config, LlamaConfig) else load_model_config(str(path))
+    save_file(random_state_dict(model, seed), str(path / "model.safetensors"))
     return path

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from neuron_async_sm.config import ConfigError, EngineConfig
 from neuron_async_sm.model import LlamaConfig, kv_cache_bytes
-from neuron_async_sm.model.spec import DTYPES
+from neuron_async_sm.model.spec import TORCH_DTYPES
 
 logger = logging.getLogger("neuron_async_sm")
 
@@ -52,7 +52,7 @@ def resolve_model_len(config: EngineConfig, model: LlamaConfig) -> EngineConfig:
     if budget_gb is None:
         budget_gb = default_kv_cache_memory_gb()
         budget_source = f"--kv-cache-memory-gb (default: {DEFAULT_KV_CACHE_MEMORY_SHARE:.0%} of available memory)"
-    dtype = DTYPES[config.dtype]
+    dtype = TORCH_DTYPES[config.dtype]
     per_position = kv_cache_bytes(model, config.max_num_seqs, 1, dtype)  # over every slot, K and V
     fits = int(budget_gb * GIB) // per_position  # the most positions per slot the budget holds
     limit = model.max_position_embeddings

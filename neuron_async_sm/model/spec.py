@@ -1,4 +1,7 @@
-"""ModelSpec: the picklable recipe the device process builds its StepProgram from."""
+"""ModelSpec: the picklable recipe the device process builds its StepProgram from.
+
+Derived from a validated EngineConfig (or written by a test): it is not validated again.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-}
+from neuron_async_sm.config import DTYPES
+
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 
 
 @dataclass(frozen=True)
@@ -23,14 +24,6 @@ class ModelSpec:
     max_model_len: int  # positions per slot
     seed: int = 0  # seed for tiny-llama's random weights; unused for checkpoints
 
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"ModelSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"ModelSpec.max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_model_len < 1:
-            raise ValueError(f"ModelSpec.max_model_len must be >= 1, got {self.max_model_len}")
-
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return TORCH_DTYPES[self.dtype]
