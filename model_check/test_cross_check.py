@@ -91,19 +91,29 @@ def decide_cases(rng: random.Random) -> list[dict]:
             for input_shape in ((4,), (8,), (3, 16)):
                 for input_dtype in ("torch.int32", "torch.int64"):
                     for relay in (False, True):
-                        observations.append(sm.StepObservation(True, base, curr, all_decode, (4,), "torch.int32",
-                                                               input_shape, input_dtype, relay))  # fmt: skip
+                        observations.append(
+                            sm.StepObservation(
+                                True, base, curr, all_decode, (4,), "torch.int32", input_shape, input_dtype, relay
+                            )
+                        )
     ids = "abcd"
     for _ in range(300):
         prev = tuple(rng.sample(ids, rng.randint(0, 4)))
         curr = tuple(rng.sample(ids, rng.randint(0, 4)))
         has_pending = rng.random() < 0.9
-        observations.append(sm.StepObservation(
-            has_pending, prev if has_pending else (), curr, rng.random() < 0.7,
-            rng.choice([(1,), (2,), (4,)]) if has_pending else (), "torch.int32" if has_pending else "",
-            rng.choice([(1,), (2,), (4,), (2, 8)]), rng.choice(["torch.int32", "torch.int32", "torch.int64"]),
-            rng.random() < 0.5,
-        ))  # fmt: skip
+        observations.append(
+            sm.StepObservation(
+                has_pending,
+                prev if has_pending else (),
+                curr,
+                rng.random() < 0.7,
+                rng.choice([(1,), (2,), (4,)]) if has_pending else (),
+                "torch.int32" if has_pending else "",
+                rng.choice([(1,), (2,), (4,), (2, 8)]),
+                rng.choice(["torch.int32", "torch.int32", "torch.int64"]),
+                rng.random() < 0.5,
+            )
+        )
     return [
         {"obs": {camel(k): v for k, v in dataclasses.asdict(o).items()}, "expect": sm.decide(o)} for o in observations
     ]
@@ -158,10 +168,17 @@ def test_spec_decide_and_row_order_give_what_the_python_functions_give(tlc_avail
     rng = random.Random(4)
     decide, rows = decide_cases(rng), row_order_cases(rng)
     assert {c["expect"] for c in decide} == set(sm.PATH_STATES)  # every outcome is exercised
-    result = run_assumes("CrossCheckCases", CASES_MODULE.format(
-        states=tla(set(sm.STATES)), paths=tla(set(sm.PATH_STATES)), async_states=tla(set(sm.ASYNC_STATES)),
-        decide=tla(decide), rows=tla(rows),
-    ), tmp_path)  # fmt: skip
+    result = run_assumes(
+        "CrossCheckCases",
+        CASES_MODULE.format(
+            states=tla(set(sm.STATES)),
+            paths=tla(set(sm.PATH_STATES)),
+            async_states=tla(set(sm.ASYNC_STATES)),
+            decide=tla(decide),
+            rows=tla(rows),
+        ),
+        tmp_path,
+    )
     assert not any("mismatch" in line for line in result.printed), "\n".join(result.printed)
 
 

@@ -83,8 +83,14 @@ def test_every_safety_invariant_is_shown_to_fail_by_some_model():
 # What a witness model may change: how long outputs are, who may be aborted or stop on EOS, whether
 # programs fail, the relay switch. Never a guard: a witness shows what the implementation reaches.
 WITNESS_BOUNDS = {"MaxTokens", "MayAbort", "MayStop", "AllowFailure", "AsyncRelay"}
-SAFETY = ["TypeOK", "ExactlyOnceMaterializationInv", "TokenOwnershipInv", "NoStaleInputInv", "CounterInv",
-          "PipelineDepthInv"]  # fmt: skip
+SAFETY = [
+    "TypeOK",
+    "ExactlyOnceMaterializationInv",
+    "TokenOwnershipInv",
+    "NoStaleInputInv",
+    "CounterInv",
+    "PipelineDepthInv",
+]
 
 
 def invariants_of(config: str) -> list[str]:
@@ -117,8 +123,10 @@ def test_the_fairness_must_fail_model_drops_only_its_fairness():
     for entry in entries:
         assert entry["expect"] == "liveness", entry
         assert constants(entry["config"]) == constants(entry["base"]), entry["config"]
-        spec_of = {c: re.search(r"^SPECIFICATION (\w+)", (SPEC_DIR / c).read_text(), re.M).group(1)
-                   for c in (entry["config"], entry["base"])}  # fmt: skip
+        spec_of = {
+            c: re.search(r"^SPECIFICATION (\w+)", (SPEC_DIR / c).read_text(), re.M).group(1)
+            for c in (entry["config"], entry["base"])
+        }
         base_spec = re.search(rf"^{spec_of[entry['base']]} ==(.*?)\n\n", spec, re.M | re.S).group(1)
         weak_spec = re.search(rf"^{spec_of[entry['config']]} ==(.*?)\n\n", spec, re.M | re.S).group(1)
         assert entry["fairness"] in base_spec and entry["fairness"] not in weak_spec, (base_spec, weak_spec)

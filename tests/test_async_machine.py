@@ -58,9 +58,13 @@ def test_machine_and_pure_decision_agree_and_count():
     assert machine.async_steps == 2
     assert machine.sync_fallback_steps == 4
     assert machine.state_counts == {
-        sm.NO_PENDING_FUTURE: 1, sm.COMPOSITION_BREAK: 1, sm.SHAPE_MISMATCH_REBUILD: 1,
-        sm.REORDER_REMAP: 1, sm.STEADY: 2, sm.RELAY: 0,
-    }  # fmt: skip
+        sm.NO_PENDING_FUTURE: 1,
+        sm.COMPOSITION_BREAK: 1,
+        sm.SHAPE_MISMATCH_REBUILD: 1,
+        sm.REORDER_REMAP: 1,
+        sm.STEADY: 2,
+        sm.RELAY: 0,
+    }
 
 
 def test_illegal_triggers_raise_and_leave_the_state_unchanged():

@@ -141,9 +141,10 @@ def run_to_completion(llm: LLM, deltas: list | None = None) -> dict[str, list[in
 
 
 def test_add_request_rejects_bad_input_and_keeps_serving_the_others(llm):
-    expected = {out.request_id: out.output_token_ids for out in llm.generate(
-        [PromptRequest([5, 6, 7], GREEDY, "g"), PromptRequest([8, 9], SEEDED, "s")]
-    )}  # fmt: skip
+    expected = {
+        out.request_id: out.output_token_ids
+        for out in llm.generate([PromptRequest([5, 6, 7], GREEDY, "g"), PromptRequest([8, 9], SEEDED, "s")])
+    }
     llm.add_request([5, 6, 7], GREEDY, "g")
     first = llm.step()  # "g" is in flight while the bad ones arrive
     for i, (prompt, message) in enumerate(BAD_PROMPTS):
@@ -230,8 +231,22 @@ BAD_ROWS = [
 def run_generate(tmp_path: Path, lines: list[str], name: str) -> list[dict]:
     prompts, out = tmp_path / f"{name}.in.jsonl", tmp_path / f"{name}.jsonl"
     prompts.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    argv = ["generate", "--prompts", prompts, "--output", out, "--no-progress", "--device", "cpu-inprocess",
-            "--max-model-len", MAX_MODEL_LEN, "--max-num-batched-tokens", 32, "--prefill-buckets", "16,32"]  # fmt: skip
+    argv = [
+        "generate",
+        "--prompts",
+        prompts,
+        "--output",
+        out,
+        "--no-progress",
+        "--device",
+        "cpu-inprocess",
+        "--max-model-len",
+        MAX_MODEL_LEN,
+        "--max-num-batched-tokens",
+        32,
+        "--prefill-buckets",
+        "16,32",
+    ]
     code = main([str(a) for a in argv])
     results = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert code == (1 if any(r["finish_reason"] == "error" for r in results) else 0), "exit 1 iff a request failed"

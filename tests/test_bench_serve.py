@@ -31,10 +31,33 @@ def _strict_json(text: str) -> dict:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench_serve")
-    argv = ["bench", "serve", "--num-prompts", str(PROMPTS), "--input-len", str(INPUT_LEN), "--output-len",
-            str(OUTPUT_LEN), "--request-rates", ",".join(RATES), "--repetitions", "1", "--warmup-prompts", "1",
-            "--max-num-seqs", "2", "--decode-buckets", "1,2", "--request-timeout-s", "30", "--no-progress",
-            "--server-log-dir", str(out), "--json", str(out / "serve.json")]  # fmt: skip
+    argv = [
+        "bench",
+        "serve",
+        "--num-prompts",
+        str(PROMPTS),
+        "--input-len",
+        str(INPUT_LEN),
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--request-rates",
+        ",".join(RATES),
+        "--repetitions",
+        "1",
+        "--warmup-prompts",
+        "1",
+        "--max-num-seqs",
+        "2",
+        "--decode-buckets",
+        "1,2",
+        "--request-timeout-s",
+        "30",
+        "--no-progress",
+        "--server-log-dir",
+        str(out),
+        "--json",
+        str(out / "serve.json"),
+    ]
     plots = importlib.util.find_spec("matplotlib") is not None  # a dev extra
     assert main(argv + (["--plots", str(out)] if plots else [])) == 0
     assert not plots or (out / "bench_serve.png").stat().st_size > 1000
@@ -45,7 +68,11 @@ def test_each_cell_runs_on_both_servers_in_alternating_order(report: dict) -> No
     assert report["config"]["modes"] == ["sync", "async"] and report["config"]["request_rates"] == RATES
     assert [s["exit_code"] for s in report["servers"]] == [0, 0]  # both drained on SIGTERM
     assert [(r["rate_label"], r["mode"]) for r in report["runs"]] == [
-        ("8", "sync"), ("8", "async"), ("inf", "async"), ("inf", "sync")]  # fmt: skip
+        ("8", "sync"),
+        ("8", "async"),
+        ("inf", "async"),
+        ("inf", "sync"),
+    ]
     sync_argv, async_argv = (s["argv"] for s in report["servers"])
     assert "--no-async-scheduling" in sync_argv and "--async-scheduling" in async_argv
 
@@ -127,8 +154,9 @@ def test_arrivals_are_poisson_at_the_rate_asked() -> None:
 
 
 def test_engine_flags_reach_the_servers_and_the_mode_does_not() -> None:
-    args = build_parser().parse_args(["bench", "serve", "--max-num-seqs", "4", "--no-async-relay",
-                                      "--decode-buckets", "1,2,4", "--async-scheduling"])  # fmt: skip
+    args = build_parser().parse_args(
+        ["bench", "serve", "--max-num-seqs", "4", "--no-async-relay", "--decode-buckets", "1,2,4", "--async-scheduling"]
+    )
     argv = engine_argv(args)
     assert argv[argv.index("--max-num-seqs") + 1] == "4" and argv[argv.index("--decode-buckets") + 1] == "1,2,4"
     assert "--no-async-relay" in argv and "--max-model-len" not in argv  # None: the server's own default

@@ -17,15 +17,40 @@ from neuron_async_sm.bench.workloads import WORKLOADS, build_workload
 from neuron_async_sm.cli import main
 
 PER_MODE = (
-    "tokens_per_s", "steps_per_s", "step_ms", "busy_s", "host_ms_per_step", "device_ms_per_step", "wait_ms_per_step",
-    "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p99",
-)  # fmt: skip
+    "tokens_per_s",
+    "steps_per_s",
+    "step_ms",
+    "busy_s",
+    "host_ms_per_step",
+    "device_ms_per_step",
+    "wait_ms_per_step",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "tpot_ms_p50",
+    "tpot_ms_p99",
+    "itl_ms_p50",
+    "itl_ms_p99",
+)
 
 
 def test_bench_writes_a_complete_report(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    argv = ["bench", "--workload", "steady", "--num-requests", "2", "--output-tokens", "6", "--repetitions", "2",
-            "--warmup", "0", "--json", str(out), "--no-progress"]  # fmt: skip
+    argv = [
+        "bench",
+        "--workload",
+        "steady",
+        "--num-requests",
+        "2",
+        "--output-tokens",
+        "6",
+        "--repetitions",
+        "2",
+        "--warmup",
+        "0",
+        "--json",
+        str(out),
+        "--no-progress",
+    ]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     for mode in ("sync", "async"):
@@ -50,8 +75,15 @@ def test_bench_writes_a_complete_report(tmp_path: Path) -> None:
 
 def test_overlap_figures_follow_their_definitions() -> None:
     # C = 1 ms, D = 2 ms per step, 10 steps: T_sync = 30 ms, T_ideal = 20 ms; async took 22 ms.
-    sync = {"busy_s": 0.030, "serial_s": 0.030, "ideal_s": 0.020, "ideal_with_transport_s": 0.020,
-            "host_ms_per_step": 1.0, "device_ms_per_step": 2.0, "sync_overhead_ms_per_step": 0.0}  # fmt: skip
+    sync = {
+        "busy_s": 0.030,
+        "serial_s": 0.030,
+        "ideal_s": 0.020,
+        "ideal_with_transport_s": 0.020,
+        "host_ms_per_step": 1.0,
+        "device_ms_per_step": 2.0,
+        "sync_overhead_ms_per_step": 0.0,
+    }
     result = compare([sync], [{"busy_s": 0.022}])
     assert result["speedup"] == pytest.approx(30 / 22)
     assert result["ideal_speedup"] == pytest.approx(1.5) == pytest.approx(ideal_speedup(2.0))
@@ -76,12 +108,18 @@ def test_plots_are_written(tmp_path: Path) -> None:
     report = {
         "sweep": {"model": "micro-llama", "batch": 2, "points": [point]},
         "host_cost_batch": {"rows": rows},
-        "vs_transformers": {"new_tokens": 4, "transformers_threads": [1], "rows": [
-            {"batch": 1, "ours_tokens_per_s": 10.0, "transformers_1t_tokens_per_s": 5.0, "ratio": 2.0}]},
-    }  # fmt: skip
+        "vs_transformers": {
+            "new_tokens": 4,
+            "transformers_threads": [1],
+            "rows": [{"batch": 1, "ours_tokens_per_s": 10.0, "transformers_1t_tokens_per_s": 5.0, "ratio": 2.0}],
+        },
+    }
     paths = write_plots(report, tmp_path)
-    assert [p.name for p in paths] == ["bench_speedup_vs_dc.png", "bench_host_cost_batch.png",
-                                       "bench_vs_transformers.png"]  # fmt: skip
+    assert [p.name for p in paths] == [
+        "bench_speedup_vs_dc.png",
+        "bench_host_cost_batch.png",
+        "bench_vs_transformers.png",
+    ]
     assert all(p.stat().st_size > 1000 for p in paths)
 
 

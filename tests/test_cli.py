@@ -55,10 +55,28 @@ def test_generate_end_to_end_with_device_process_writes_outputs_stats_and_trace(
     prompts = write_jsonl(tmp_path / "in.jsonl", [*REQUESTS, "not json"])
     out, stats, trace = tmp_path / "out" / "o.jsonl", tmp_path / "s.json", tmp_path / "t.ndjson"
     proc = subprocess.run(
-        [sys.executable, "-m", "neuron_async_sm", "generate", "--model", "tiny-llama", "--prompts", str(prompts),
-         "--output", str(out), "--stats", str(stats), "--trace", str(trace), "--no-progress"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "neuron_async_sm",
+            "generate",
+            "--model",
+            "tiny-llama",
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(out),
+            "--stats",
+            str(stats),
+            "--trace",
+            str(trace),
+            "--no-progress",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1, proc.stderr  # the malformed line failed; every other request succeeded
     assert "tokens/s" in proc.stdout and "5 requests: 4 succeeded, 1 failed" in proc.stdout
 
@@ -86,8 +104,16 @@ def test_generate_end_to_end_with_device_process_writes_outputs_stats_and_trace(
 def test_sync_mode_gives_the_same_greedy_tokens_as_async_in_float64(tmp_path):
     greedy = [r for r in REQUESTS if not r.get("temperature")]
     greedy += [{"prompt_token_ids": list(range(3, 3 + n)), "max_tokens": 2 + n % 7} for n in range(1, 40, 6)]
-    small = ("--dtype", "float64", "--max-model-len", "128", "--max-num-batched-tokens", "32",
-             "--prefill-buckets", "16,32")  # fmt: skip
+    small = (
+        "--dtype",
+        "float64",
+        "--max-model-len",
+        "128",
+        "--max-num-batched-tokens",
+        "32",
+        "--prefill-buckets",
+        "16,32",
+    )
     async_out = generate(tmp_path, greedy, *small, "--async-scheduling", name="async")
     sync_out = generate(tmp_path, greedy, *small, "--no-async-scheduling", name="sync")
     assert all(r["finish_reason"] in ("length", "stop") for r in async_out)
@@ -119,16 +145,29 @@ def _help_flags(parser_argv: list[str], capsys) -> set[str]:
 def test_every_generate_flag_in_help_is_accepted(tmp_path, capsys):
     trace, stats = tmp_path / "t.ndjson", tmp_path / "s.json"
     values = {
-        "--prompts": None, "--output": None,  # filled in by generate()
-        "--model": ["tiny-llama"], "--device": ["cpu-inprocess"], "--dtype": ["float64"],
-        "--async-scheduling": [], "--no-async-scheduling": [],  # one per run below
-        "--async-relay": [], "--no-async-relay": [],  # one per run below
-        "--max-num-seqs": ["4"], "--max-model-len": ["128"], "--kv-cache-memory-gb": ["1"],
+        "--prompts": None,
+        "--output": None,  # filled in by generate()
+        "--model": ["tiny-llama"],
+        "--device": ["cpu-inprocess"],
+        "--dtype": ["float64"],
+        "--async-scheduling": [],
+        "--no-async-scheduling": [],  # one per run below
+        "--async-relay": [],
+        "--no-async-relay": [],  # one per run below
+        "--max-num-seqs": ["4"],
+        "--max-model-len": ["128"],
+        "--kv-cache-memory-gb": ["1"],
         "--max-num-batched-tokens": ["32"],
-        "--decode-buckets": ["1,2,4,8"], "--prefill-buckets": ["16,32"], "--seed": ["3"],
-        "--runtime-queue-depth": ["4"], "--device-time-ms": ["1"], "--device-timeout-s": ["60"],
-        "--trace": [str(trace)], "--stats": [str(stats)], "--no-progress": [],
-    }  # fmt: skip
+        "--decode-buckets": ["1,2,4,8"],
+        "--prefill-buckets": ["16,32"],
+        "--seed": ["3"],
+        "--runtime-queue-depth": ["4"],
+        "--device-time-ms": ["1"],
+        "--device-timeout-s": ["60"],
+        "--trace": [str(trace)],
+        "--stats": [str(stats)],
+        "--no-progress": [],
+    }
     assert _help_flags(["generate"], capsys) == set(values), "a new flag needs a value in this test"
     engine_args = [str(a) for flag, v in values.items() if v is not None and "async" not in flag for a in (flag, *v)]
     rows = [

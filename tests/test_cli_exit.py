@@ -34,8 +34,20 @@ def read_jsonl(path: Path) -> list[dict]:
 def start_cli(tmp_path: Path, rows: list, *extra: str) -> tuple[subprocess.Popen, Path]:
     prompts = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out" / "results.jsonl"
-    argv = [sys.executable, "-m", "neuron_async_sm", "generate", "--prompts", str(prompts), "--output", str(out),
-            "--no-progress", "--max-model-len", "512", *extra]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "neuron_async_sm",
+        "generate",
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(out),
+        "--no-progress",
+        "--max-model-len",
+        "512",
+        *extra,
+    ]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, out
 
@@ -121,10 +133,24 @@ def test_an_unwritable_output_path_fails_before_the_device_starts(tmp_path):
     prompts = write_jsonl(tmp_path / "in.jsonl", requests(1, max_tokens=3))
     trace = tmp_path / "trace.ndjson"
     proc = subprocess.run(
-        [sys.executable, "-m", "neuron_async_sm", "generate", "--prompts", str(prompts),
-         "--output", str(blocker / "out.jsonl"), "--trace", str(trace), "--no-progress"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "neuron_async_sm",
+            "generate",
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(blocker / "out.jsonl"),
+            "--trace",
+            str(trace),
+            "--no-progress",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     assert f"cannot write {blocker}" in proc.stderr and "Traceback" not in proc.stderr
     assert not trace.exists(), "the engine (which opens the trace) must not have started"
@@ -185,7 +211,9 @@ def test_ctrl_c_during_a_device_hang_exits_within_seconds(tmp_path):
     interrupted = time.monotonic()
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=30)
-    assert time.monotonic() - interrupted < 5.0, stderr  # bounded teardown (it was 60 s and more); slack for a loaded CI
+    assert time.monotonic() - interrupted < 5.0, (
+        stderr
+    )  # bounded teardown (it was 60 s and more); slack for a loaded CI
     assert proc.returncode == 130 and "Traceback" not in stderr, stderr
     assert [r["finish_reason"] for r in read_jsonl(out)] == ["length", "abort", "abort"]
     assert process_gone(device)
@@ -205,10 +233,24 @@ def tiny_filesystem(tmp_path):
 def test_a_full_disk_names_the_file_and_exits_1(tiny_filesystem):
     out = tiny_filesystem / "demo.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "neuron_async_sm", "demo", "--num-requests", "32", "--output", str(out),
-         "--device", "cpu-inprocess", "--no-progress"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "neuron_async_sm",
+            "demo",
+            "--num-requests",
+            "32",
+            "--output",
+            str(out),
+            "--device",
+            "cpu-inprocess",
+            "--no-progress",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1, proc.stderr
     assert f"cannot write {tiny_filesystem}" in proc.stderr and "No space left" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -221,8 +263,12 @@ def test_diagram_without_dot_writes_the_source_and_says_how_to_render_it(tmp_pat
     env = {**os.environ, "PATH": str(tmp_path)}  # no `dot` on this PATH
     proc = subprocess.run(
         [sys.executable, "-m", "neuron_async_sm", "diagram", "--output", str(tmp_path / "sm")],
-        cwd=REPO, capture_output=True, text=True, timeout=60, env=env,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "sm.dot").exists() and not (tmp_path / "sm.svg").exists()
     assert "apt-get install graphviz" in proc.stderr and "dot -Tsvg" in proc.stderr

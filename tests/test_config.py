@@ -79,9 +79,15 @@ def write_config_only_checkpoint(model_dir: Path) -> Path:
     """A Llama config.json with no weights next to it."""
     model_dir.mkdir()
     config = {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "eos_token_id": 2,
-    }  # fmt: skip
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "eos_token_id": 2,
+    }
     (model_dir / "config.json").write_text(json.dumps(config))
     return model_dir
 
@@ -161,10 +167,24 @@ def test_cli_unreadable_prompts_file_exits_2_with_one_error_line(tmp_path, capsy
 def test_cli_config_error_end_to_end_prints_no_traceback(tmp_path, prompts):
     model_dir = write_config_only_checkpoint(tmp_path / "config-only")
     proc = subprocess.run(
-        [sys.executable, "-m", "neuron_async_sm", "generate", "--prompts", str(prompts), "--output",
-         str(tmp_path / "o.jsonl"), "--model", str(model_dir), "--no-progress"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "neuron_async_sm",
+            "generate",
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(tmp_path / "o.jsonl"),
+            "--model",
+            str(model_dir),
+            "--no-progress",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ")
     assert "has no checkpoint" in proc.stderr

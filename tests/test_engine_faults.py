@@ -72,7 +72,8 @@ def test_host_sampling_gives_the_device_sampler_tokens():
     params = SamplingParams(max_tokens=8, temperature=0.9, top_k=50, seed=3)
     runs = []
     for on_device in (True, False):
-        with LLM("tiny-llama", device="cpu-inprocess", async_scheduling=False, on_device_sampling=on_device,
-                 dtype="float64") as llm:  # fmt: skip
+        with LLM(
+            "tiny-llama", device="cpu-inprocess", async_scheduling=False, on_device_sampling=on_device, dtype="float64"
+        ) as llm:
             runs.append([o.output_token_ids for o in llm.generate([[5, 6, 7], [8, 9]], params)])
     assert runs[0] == runs[1]

@@ -13,10 +13,18 @@ from neuron_async_sm.runtime import DeviceHungError, DeviceLostError, DeviceProg
 
 @pytest.mark.parametrize(
     "error, builtin",
-    [(ConfigError, ValueError), (InvalidRequestError, ValueError), (ModelLoadError, ValueError),
-     (DeviceProgramError, RuntimeError), (DeviceLostError, RuntimeError), (DeviceStartupError, RuntimeError),
-     (DeviceHungError, RuntimeError), (EngineDeadError, RuntimeError), (ResultsWriteError, OSError)],
-)  # fmt: skip
+    [
+        (ConfigError, ValueError),
+        (InvalidRequestError, ValueError),
+        (ModelLoadError, ValueError),
+        (DeviceProgramError, RuntimeError),
+        (DeviceLostError, RuntimeError),
+        (DeviceStartupError, RuntimeError),
+        (DeviceHungError, RuntimeError),
+        (EngineDeadError, RuntimeError),
+        (ResultsWriteError, OSError),
+    ],
+)
 def test_every_package_error_derives_from_the_base_and_its_builtin(error, builtin):
     assert issubclass(error, NeuronAsyncSMError) and issubclass(error, builtin)
 

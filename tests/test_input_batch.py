@@ -10,8 +10,9 @@ from neuron_async_sm.sampling_params import SamplingParams
 from neuron_async_sm.worker.input_batch import POISON_TOKEN, CachedRequestState, InputBatch, next_row_order
 from neuron_async_sm.worker.model_input import build_model_input, padded_input_shape
 
-CONFIG = EngineConfig(max_num_seqs=6, max_model_len=48, max_num_batched_tokens=64, decode_buckets=(2, 4, 8),
-                      prefill_buckets=(8, 16, 64))  # fmt: skip
+CONFIG = EngineConfig(
+    max_num_seqs=6, max_model_len=48, max_num_batched_tokens=64, decode_buckets=(2, 4, 8), prefill_buckets=(8, 16, 64)
+)
 
 
 def reference_inputs(config: EngineConfig, scheduled: SchedulerOutput, batch: InputBatch) -> dict[str, list]:
@@ -20,11 +21,17 @@ def reference_inputs(config: EngineConfig, scheduled: SchedulerOutput, batch: In
     width = 1 if scheduled.all_decode else shape[1]
     rows = [batch.requests[r] for r in batch.req_ids if r in scheduled.num_scheduled_tokens]
     out: dict[str, list] = {
-        "ids": [[0] * width for _ in range(shape[0])], "pos": [[0] * width for _ in range(shape[0])],
-        "query_lens": [0] * shape[0], "slot_ids": [config.max_num_seqs] * shape[0],
-        "temperature": [0.0] * shape[0], "top_k": [0] * shape[0], "top_p": [1.0] * shape[0],
-        "seeds": [0] * shape[0], "output_index": [0] * shape[0], "sample_positions": [],
-    }  # fmt: skip
+        "ids": [[0] * width for _ in range(shape[0])],
+        "pos": [[0] * width for _ in range(shape[0])],
+        "query_lens": [0] * shape[0],
+        "slot_ids": [config.max_num_seqs] * shape[0],
+        "temperature": [0.0] * shape[0],
+        "top_k": [0] * shape[0],
+        "top_p": [1.0] * shape[0],
+        "seeds": [0] * shape[0],
+        "output_index": [0] * shape[0],
+        "sample_positions": [],
+    }
     for i, state in enumerate(rows):
         start = scheduled.num_computed_tokens[state.request_id]
         n = scheduled.num_scheduled_tokens[state.request_id]

@@ -143,10 +143,25 @@ def test_cli_generates_from_the_checkpoint_without_max_model_len(tmp_path: Path)
     rows = [{"request_id": f"r{i}", "prompt_token_ids": p, "max_tokens": NEW_TOKENS} for i, p in enumerate(PROMPTS)]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     proc = subprocess.run(
-        [sys.executable, "-m", "neuron_async_sm", "--verbose", "generate", "--model", str(tmp_path / "model"),
-         "--prompts", str(prompts), "--output", str(out), "--no-progress"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "neuron_async_sm",
+            "--verbose",
+            "generate",
+            "--model",
+            str(tmp_path / "model"),
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(out),
+            "--no-progress",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "max_model_len=256 (the model's max_position_embeddings)" in proc.stderr
     results = [json.loads(line) for line in out.read_text().splitlines()]

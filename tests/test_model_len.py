@@ -64,8 +64,18 @@ def test_small_budget_reduces_max_model_len_with_a_warning(caplog) -> None:
 def test_cli_kv_cache_memory_gb_reaches_the_engine(tmp_path: Path, caplog) -> None:
     prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     prompts.write_text(json.dumps({"prompt_token_ids": [5] * 40, "max_tokens": 50, "ignore_eos": True}) + "\n")
-    argv = ["generate", "--prompts", str(prompts), "--output", str(out), "--device", "cpu-inprocess",
-            "--no-progress", "--kv-cache-memory-gb", str(ONE_MIB_GB)]  # fmt: skip
+    argv = [
+        "generate",
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(out),
+        "--device",
+        "cpu-inprocess",
+        "--no-progress",
+        "--kv-cache-memory-gb",
+        str(ONE_MIB_GB),
+    ]
     assert main(argv) == 0
     [result] = [json.loads(line) for line in out.read_text().splitlines()]
     assert (len(result["output_token_ids"]), result["finish_reason"]) == (ONE_MIB_FITS - 40, "length")

@@ -181,8 +181,9 @@ def test_relay_builds_input_ids_from_the_previous_tokens_on_the_device() -> None
     poisoned = step["input_ids"].clone()
     poisoned[0, 0] = -1  # POISON_TOKEN: the host does not have this token
     previous = torch.tensor([7, 44, 0], dtype=torch.int32)  # the previous step's sampled tokens [P]
-    out = relayed(**dict(step, input_ids=poisoned), relay_tokens=previous,
-                  relay_rows=torch.tensor([1, -1, -1], dtype=torch.int32))  # fmt: skip
+    out = relayed(
+        **dict(step, input_ids=poisoned), relay_tokens=previous, relay_rows=torch.tensor([1, -1, -1], dtype=torch.int32)
+    )
     assert torch.equal(out, host(**step))
 
 
@@ -199,8 +200,11 @@ def test_relay_rejects_a_malformed_row_map(relay_rows: list[int], match: str) ->
     program = tiny()
     step = pack_step([RowStep((44,), 5, 0), RowStep((5, 6, 7), 0, 1)], program.scratch_slot, num_rows=3)
     with pytest.raises(ValueError, match=match):
-        program(**step, relay_tokens=torch.tensor([7, 44, 0], dtype=torch.int32),
-                relay_rows=torch.tensor(relay_rows, dtype=torch.int32))  # fmt: skip
+        program(
+            **step,
+            relay_tokens=torch.tensor([7, 44, 0], dtype=torch.int32),
+            relay_rows=torch.tensor(relay_rows, dtype=torch.int32),
+        )
 
 
 def test_relay_still_rejects_a_poisoned_row_it_does_not_relay() -> None:
@@ -208,5 +212,8 @@ def test_relay_still_rejects_a_poisoned_row_it_does_not_relay() -> None:
     step = pack_step([RowStep((44,), 5, 0), RowStep((45,), 5, 1)], program.scratch_slot)
     step["input_ids"][1, 0] = -1
     with pytest.raises(ValueError, match="input_ids must lie in"):
-        program(**step, relay_tokens=torch.tensor([7, 44], dtype=torch.int32),
-                relay_rows=torch.tensor([1, -1], dtype=torch.int32))  # fmt: skip
+        program(
+            **step,
+            relay_tokens=torch.tensor([7, 44], dtype=torch.int32),
+            relay_rows=torch.tensor([1, -1], dtype=torch.int32),
+        )

@@ -20,11 +20,32 @@ from tokenizers import Tokenizer
 
 from neuron_async_sm import LLM, SamplingParams
 
-ENGINE = dict(dtype="float64", max_num_seqs=4, max_model_len=96, max_num_batched_tokens=32,
-              prefill_buckets=(8, 16, 32), decode_buckets=(1, 2, 4))  # fmt: skip
-FLAGS = ["--dtype", "float64", "--max-num-seqs", "4", "--max-model-len", "96", "--max-num-batched-tokens", "32",
-         "--prefill-buckets", "8,16,32", "--decode-buckets", "1,2,4", "--device", "cpu",
-         "--device-time-ms", "2"]  # fmt: skip
+ENGINE = dict(
+    dtype="float64",
+    max_num_seqs=4,
+    max_model_len=96,
+    max_num_batched_tokens=32,
+    prefill_buckets=(8, 16, 32),
+    decode_buckets=(1, 2, 4),
+)
+FLAGS = [
+    "--dtype",
+    "float64",
+    "--max-num-seqs",
+    "4",
+    "--max-model-len",
+    "96",
+    "--max-num-batched-tokens",
+    "32",
+    "--prefill-buckets",
+    "8,16,32",
+    "--decode-buckets",
+    "1,2,4",
+    "--device",
+    "cpu",
+    "--device-time-ms",
+    "2",
+]
 SAMPLED = dict(temperature=0.8, top_p=0.95, seed=7)
 
 
@@ -74,10 +95,17 @@ def test_completion_equals_the_offline_llm_streamed_and_not(server, offline, tok
         assert choice.text == tokenizer.decode(expected) and choice.finish_reason == "length"
         assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt_ids), 12)
 
-        chunks = list(client.completions.create(model=server.model, prompt=prompt_ids, max_tokens=12, stream=True,
-                                                stream_options={"include_usage": True},
-                                                extra_body={"ignore_eos": True, "return_token_ids": True},
-                                                **params))  # fmt: skip
+        chunks = list(
+            client.completions.create(
+                model=server.model,
+                prompt=prompt_ids,
+                max_tokens=12,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+                **params,
+            )
+        )
         streamed = [t for c in chunks for choice in c.choices for t in choice.token_ids]
         assert streamed == expected
         assert "".join(choice.text for c in chunks for choice in c.choices) == tokenizer.decode(expected)
@@ -95,14 +123,23 @@ def test_chat_renders_the_template_and_equals_the_offline_llm(server, offline, t
     assert prompt_ids[0] == 1 and prompt_ids[-1] == tokenizer.token_to_id("assistant")
     expected = reference(offline, prompt_ids, max_tokens=10, ignore_eos=True, **SAMPLED)
 
-    out = client.chat.completions.create(model=server.model, messages=messages, max_tokens=10,
-                                         extra_body={"ignore_eos": True}, **SAMPLED)  # fmt: skip
+    out = client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=10, extra_body={"ignore_eos": True}, **SAMPLED
+    )
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == tokenizer.decode(expected)
     assert out.usage.prompt_tokens == len(prompt_ids) and out.usage.completion_tokens == 10
 
-    chunks = list(client.chat.completions.create(model=server.model, messages=messages, max_completion_tokens=10,
-                                                 stream=True, extra_body={"ignore_eos": True}, **SAMPLED))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=server.model,
+            messages=messages,
+            max_completion_tokens=10,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            **SAMPLED,
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == tokenizer.decode(expected)
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -115,16 +152,26 @@ def test_stop_strings_and_stop_token_ids_end_the_request(server, offline, tokeni
     stop_word = tokenizer.decode([full[4]])
     cut = full.index(full[4])  # the stop string ends the text before its first occurrence
     for stream in (False, True):
-        kwargs = dict(model=server.model, prompt=prompt_ids, max_tokens=12, temperature=0.0, stream=stream,
-                      extra_body={"ignore_eos": True})  # fmt: skip
+        kwargs = dict(
+            model=server.model,
+            prompt=prompt_ids,
+            max_tokens=12,
+            temperature=0.0,
+            stream=stream,
+            extra_body={"ignore_eos": True},
+        )
         out = client.completions.create(stop=[stop_word], **kwargs)
         chunks = list(out) if stream else [out]
         text = "".join(choice.text for c in chunks for choice in c.choices)
         assert text == tokenizer.decode(full[:cut]) + (" " if cut else "")
         assert chunks[-1].choices[0].finish_reason == "stop"
-    out = client.completions.create(model=server.model, prompt=prompt_ids, max_tokens=12, temperature=0.0,
-                                    extra_body={"ignore_eos": True, "stop_token_ids": [full[4]],
-                                                "return_token_ids": True})  # fmt: skip
+    out = client.completions.create(
+        model=server.model,
+        prompt=prompt_ids,
+        max_tokens=12,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "stop_token_ids": [full[4]], "return_token_ids": True},
+    )
     assert out.choices[0].token_ids == full[: cut + 1] and out.choices[0].finish_reason == "stop"
 
 
@@ -191,16 +238,27 @@ def test_32_concurrent_streams_with_random_disconnects_leave_nothing_behind(serv
     rng = random.Random(0)
     before = server.metrics()
     plans = [
-        dict(prompt=[rng.randrange(3, 61) for _ in range(rng.randint(2, 20))], max_tokens=rng.randint(4, 24),
-             seed=i, temperature=rng.choice([0.0, 0.8]), leave_after=rng.choice([None, None, 0, 1, 3, 8]))
+        dict(
+            prompt=[rng.randrange(3, 61) for _ in range(rng.randint(2, 20))],
+            max_tokens=rng.randint(4, 24),
+            seed=i,
+            temperature=rng.choice([0.0, 0.8]),
+            leave_after=rng.choice([None, None, 0, 1, 3, 8]),
+        )
         for i in range(CONCURRENT)
-    ]  # fmt: skip
+    ]
 
     def run(plan: dict) -> tuple[list[int], str | None]:
         client = server.client()
-        stream = client.completions.create(model=server.model, prompt=plan["prompt"], max_tokens=plan["max_tokens"],
-                                           seed=plan["seed"], temperature=plan["temperature"], stream=True,
-                                           extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+        stream = client.completions.create(
+            model=server.model,
+            prompt=plan["prompt"],
+            max_tokens=plan["max_tokens"],
+            seed=plan["seed"],
+            temperature=plan["temperature"],
+            stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         tokens: list[int] = []
         reason = None
         for chunk in stream:
@@ -216,8 +274,14 @@ def test_32_concurrent_streams_with_random_disconnects_leave_nothing_behind(serv
         results = list(pool.map(run, plans))
 
     for plan, (tokens, reason) in zip(plans, results, strict=True):
-        expected = reference(offline, plan["prompt"], max_tokens=plan["max_tokens"], seed=plan["seed"],
-                             temperature=plan["temperature"], ignore_eos=True)  # fmt: skip
+        expected = reference(
+            offline,
+            plan["prompt"],
+            max_tokens=plan["max_tokens"],
+            seed=plan["seed"],
+            temperature=plan["temperature"],
+            ignore_eos=True,
+        )
         if reason == "left":
             assert tokens == expected[: len(tokens)]
         else:
@@ -229,8 +293,11 @@ def test_32_concurrent_streams_with_random_disconnects_leave_nothing_behind(serv
 
     def settled() -> bool:
         ended = sum(delta("neuron_async_sm_request_success_total", finished_reason=r) for r in ("length", "abort"))
-        return (ended == CONCURRENT and server.metric("neuron_async_sm_num_requests_running") == 0
-                and server.metric("neuron_async_sm_num_requests_waiting") == 0)  # fmt: skip
+        return (
+            ended == CONCURRENT
+            and server.metric("neuron_async_sm_num_requests_running") == 0
+            and server.metric("neuron_async_sm_num_requests_waiting") == 0
+        )
 
     server.wait_for(settled, "every request finished or aborted")
     left = sum(reason == "left" for _, reason in results)

@@ -37,8 +37,9 @@ class OpenStream(threading.Thread):
 
     def run(self) -> None:
         try:
-            stream = self.server.client().completions.create(model="tiny-llama", prompt=self.prompt, stream=True,
-                                                             **self.kwargs)  # fmt: skip
+            stream = self.server.client().completions.create(
+                model="tiny-llama", prompt=self.prompt, stream=True, **self.kwargs
+            )
             self.stream = stream
             for chunk in stream:
                 for choice in chunk.choices:
@@ -56,13 +57,20 @@ class OpenStream(threading.Thread):
 
 
 def test_more_waiting_than_max_waiting_get_503_at_once(tmp_path):
-    server = ServerProcess(tmp_path, "tiny-llama", *flags("--device", "cpu-inprocess", "--max-num-seqs", "2",
-                                                          "--decode-buckets", "1,2", "--max-waiting", "2"))  # fmt: skip
+    server = ServerProcess(
+        tmp_path,
+        "tiny-llama",
+        *flags("--device", "cpu-inprocess", "--max-num-seqs", "2", "--decode-buckets", "1,2", "--max-waiting", "2"),
+    )
     try:
         streams = [OpenStream(server, [5 + i, 6, 7], **LONG) for i in range(4)]
-        server.wait_for(lambda: server.metric("neuron_async_sm_num_requests_running") == 2
-                        and server.metric("neuron_async_sm_num_requests_waiting") == 2,
-                        "2 running, 2 waiting")  # fmt: skip
+        server.wait_for(
+            lambda: (
+                server.metric("neuron_async_sm_num_requests_running") == 2
+                and server.metric("neuron_async_sm_num_requests_waiting") == 2
+            ),
+            "2 running, 2 waiting",
+        )
         started = time.monotonic()
         with pytest.raises(openai.APIStatusError) as info:
             server.client().completions.create(model="tiny-llama", prompt=[9, 9], max_tokens=2)
@@ -71,8 +79,13 @@ def test_more_waiting_than_max_waiting_get_503_at_once(tmp_path):
         assert server.metric("neuron_async_sm_requests_rejected_total", reason="overloaded") == 1
         for stream in streams:
             stream.stream.close()  # every client leaves: their requests are aborted, slots come back
-        server.wait_for(lambda: server.metric("neuron_async_sm_kv_slots_free") == 2
-                        and server.metric("neuron_async_sm_num_requests_waiting") == 0, "slots back")  # fmt: skip
+        server.wait_for(
+            lambda: (
+                server.metric("neuron_async_sm_kv_slots_free") == 2
+                and server.metric("neuron_async_sm_num_requests_waiting") == 0
+            ),
+            "slots back",
+        )
         assert server.client().completions.create(model="tiny-llama", prompt=[9, 9], max_tokens=2).choices
     finally:
         assert server.terminate() == 0, server.log()

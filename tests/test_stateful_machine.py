@@ -187,8 +187,16 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
         if self.state in REST_STATES:
             with pytest.raises(MachineError):
                 self.machine.reinstate()
-            lying = sm.StepObservation(self.pending is None, ("z",) if self.pending is None else (),
-                                       req_ids, True, (1,), SAMPLED, (len(req_ids),), SAMPLED)  # fmt: skip
+            lying = sm.StepObservation(
+                self.pending is None,
+                ("z",) if self.pending is None else (),
+                req_ids,
+                True,
+                (1,),
+                SAMPLED,
+                (len(req_ids),),
+                SAMPLED,
+            )
             with pytest.raises(ValueError, match="has_pending"):
                 self.machine.step(lying)
         else:
@@ -223,8 +231,9 @@ TestAsyncStepMachine.settings = settings(max_examples=settings.default.max_examp
 
 def test_one_rule_per_transition_named_like_it():
     """Adding a row to TRANSITIONS without a rule here (or renaming one) fails this test."""
-    table = {f"{row['trigger']}_to_{row['dest']}" if row["trigger"] == "step" else row["trigger"]
-             for row in sm.TRANSITIONS}  # fmt: skip
+    table = {
+        f"{row['trigger']}_to_{row['dest']}" if row["trigger"] == "step" else row["trigger"] for row in sm.TRANSITIONS
+    }
     # hypothesis marks @rule methods with this attribute (stateful.RULE_MARKER)
     rules = {name for name, f in vars(AsyncStepMachineVsTable).items() if hasattr(f, "hypothesis_stateful_rule")}
     assert rules - table == {"refuse_illegal_trigger"}

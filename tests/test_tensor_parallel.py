@@ -40,9 +40,16 @@ ENGINE = dict(
 # GQA (4 query heads on 2 KV heads) and an untied LM head over an odd vocabulary, so the vocab shards
 # are uneven (the last one padded) and each rank's KV heads serve two query heads.
 CHECKPOINT_CONFIG = replace(
-    TINY_LLAMA_CONFIG, vocab_size=331, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-)  # fmt: skip
+    TINY_LLAMA_CONFIG,
+    vocab_size=331,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=False,
+)
 FALLBACKS = {sm.COMPOSITION_BREAK, sm.SHAPE_MISMATCH_REBUILD, sm.REORDER_REMAP}
 
 

@@ -84,14 +84,18 @@ def main() -> None:
             report = invoke(trees[name], args.sizes, args.repetitions)
             results[name].append(report)
             fit = report["linear_fit"]
-            print(f"cycle {cycle} {name:6s} {time.time() - started:4.0f} s  "
-                  f"sync {fit['sync']['intercept_us']:4.0f} + {fit['sync']['slope_us_per_request']:5.2f}/req  "
-                  f"async {fit['async']['intercept_us']:4.0f} + {fit['async']['slope_us_per_request']:5.2f}/req",
-                  flush=True)  # fmt: skip
+            print(
+                f"cycle {cycle} {name:6s} {time.time() - started:4.0f} s  "
+                f"sync {fit['sync']['intercept_us']:4.0f} + {fit['sync']['slope_us_per_request']:5.2f}/req  "
+                f"async {fit['async']['intercept_us']:4.0f} + {fit['async']['slope_us_per_request']:5.2f}/req",
+                flush=True,
+            )
     report = {"trees": {k: str(v) for k, v in trees.items()}, "summary": summary(results), "runs": results}
     for key, row in report["summary"].items():
-        print(f"{key:13s} fixed {row['fixed_us']:4.0f} us + {row['slope_us_per_request']:5.2f} us/request; C by batch "
-              + ", ".join(f"{b}: {c:.0f}" for b, c in row["c_us_by_batch"].items()))  # fmt: skip
+        print(
+            f"{key:13s} fixed {row['fixed_us']:4.0f} us + {row['slope_us_per_request']:5.2f} us/request; C by batch "
+            + ", ".join(f"{b}: {c:.0f}" for b, c in row["c_us_by_batch"].items())
+        )
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
 

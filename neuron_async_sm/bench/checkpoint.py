@@ -18,9 +18,15 @@ from neuron_async_sm.model import TINY_LLAMA_CONFIG, LlamaConfig, load_model_con
 from neuron_async_sm.model.loader import random_state_dict
 
 MICRO_LLAMA_CONFIG = replace(
-    TINY_LLAMA_CONFIG, vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-)  # fmt: skip
+    TINY_LLAMA_CONFIG,
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+)
 
 
 def hf_config(config: LlamaConfig) -> dict:

@@ -66,8 +66,14 @@ def host_cost_vs_batch(
             row[f"{mode}_device_us"] = statistics.median(r["device_ms_p50"] for r in mine) * 1e3
         rows.append(row)
     fits = {mode: linear_fit([r["batch"] for r in rows], [r[f"{mode}_host_us"] for r in rows]) for mode in MODES}
-    return {"model": model, "output_tokens": output_tokens, "repetitions": repetitions, "rows": rows,
-            "linear_fit": fits, "load_avg_end": load_average()}  # fmt: skip
+    return {
+        "model": model,
+        "output_tokens": output_tokens,
+        "repetitions": repetitions,
+        "rows": rows,
+        "linear_fit": fits,
+        "load_avg_end": load_average(),
+    }
 
 
 def linear_fit(xs: list[float], ys: list[float]) -> dict:
@@ -102,8 +108,9 @@ def host_cost_vs_waiting(
     for rep in range(repetitions):
         for waiting in waiting_counts:
             for mode in MODES:
-                engine = ProbedLLM(model, async_scheduling=mode == "async", max_num_seqs=running,
-                                   **(engine_options or {}))  # fmt: skip
+                engine = ProbedLLM(
+                    model, async_scheduling=mode == "async", max_num_seqs=running, **(engine_options or {})
+                )
                 try:
                     OtherLoad.wait_for_quiet(max_other_cpu)
                     samples[waiting, mode].append(_decode_host_us(engine, running, waiting, steps))
@@ -119,8 +126,14 @@ def host_cost_vs_waiting(
             row[f"{mode}_host_us_mean"] = statistics.median(mean for _, mean in samples[waiting, mode])
             row[f"{mode}_host_us_each"] = [median for median, _ in samples[waiting, mode]]
         rows.append(row)
-    return {"model": model, "running": running, "steps": steps, "repetitions": repetitions, "rows": rows,
-            "load_avg_end": load_average()}  # fmt: skip
+    return {
+        "model": model,
+        "running": running,
+        "steps": steps,
+        "repetitions": repetitions,
+        "rows": rows,
+        "load_avg_end": load_average(),
+    }
 
 
 def _decode_host_us(engine: ProbedLLM, running: int, waiting: int, steps: int) -> tuple[float, float]:

@@ -49,18 +49,38 @@ def _sweep(ax, sweep: dict) -> None:
     ax.plot(grid, ideal, color="black", label="ideal (C + D) / max(C, D)")
     ax.fill_between(grid, [0.9 * y for y in ideal], ideal, color="0.85", label="within 10% of ideal")
     ax.plot(ratios, [p["speedup"] for p in points], "-", color="tab:blue", alpha=0.5)
-    for kind, marker, label in (("device hold", "o", "measured, D held (--device-time-ms)"),
-                                ("host spin", "s", "measured, C raised (extra host work)"),
-                                ("real compute", "*", "measured, real compute (no hold, no extra)")):  # fmt: skip
+    for kind, marker, label in (
+        ("device hold", "o", "measured, D held (--device-time-ms)"),
+        ("host spin", "s", "measured, C raised (extra host work)"),
+        ("real compute", "*", "measured, real compute (no hold, no extra)"),
+    ):
         mine = [p for p in points if p.get("kind", "device hold") == kind]
         if mine:
-            ax.plot([p["D_over_C"] for p in mine], [p["speedup"] for p in mine], marker, color="tab:blue",
-                    markersize=11 if marker == "*" else 6, linestyle="none", label=label)  # fmt: skip
-    ax.plot(ratios, [p["ideal_speedup"] for p in points], "x", color="black",
-            label="ideal from the sync run's per-step C and D")  # fmt: skip
+            ax.plot(
+                [p["D_over_C"] for p in mine],
+                [p["speedup"] for p in mine],
+                marker,
+                color="tab:blue",
+                markersize=11 if marker == "*" else 6,
+                linestyle="none",
+                label=label,
+            )
+    ax.plot(
+        ratios,
+        [p["ideal_speedup"] for p in points],
+        "x",
+        color="black",
+        label="ideal from the sync run's per-step C and D",
+    )
     if all("ideal_speedup_with_transport" in p for p in points):
-        ax.plot(ratios, [p["ideal_speedup_with_transport"] for p in points], "^", color="tab:red", fillstyle="none",
-                label="bound with the transport O as host time: (C + O + D) / max(C + O, D)")  # fmt: skip
+        ax.plot(
+            ratios,
+            [p["ideal_speedup_with_transport"] for p in points],
+            "^",
+            color="tab:red",
+            fillstyle="none",
+            label="bound with the transport O as host time: (C + O + D) / max(C + O, D)",
+        )
     ax.set_xscale("log")
     ax.minorticks_off()
     ax.set_xticks([0.25, 0.5, 1, 2, 4])
@@ -81,8 +101,14 @@ def _host_batch(ax, data: dict) -> None:
         ax.plot(batches, [r[f"{mode}_host_us"] for r in rows], "o", color=color, label=f"C per step, {mode}")
         if mode in fits:  # linear axes: a straight line is linear growth
             a, b = fits[mode]["intercept_us"], fits[mode]["slope_us_per_request"]
-            ax.plot([0, max(batches)], [a, a + b * max(batches)], "--", color=color, alpha=0.7,
-                    label=f"fit {a:.0f} µs + {b:.1f} µs x batch")  # fmt: skip
+            ax.plot(
+                [0, max(batches)],
+                [a, a + b * max(batches)],
+                "--",
+                color=color,
+                alpha=0.7,
+                label=f"fit {a:.0f} µs + {b:.1f} µs x batch",
+            )
     ax.set_xticks(batches[2:] if len(batches) > 4 else batches)
     ax.set_xlim(left=0)
     _host_axes(ax, "running requests (decode batch)", "Host cost per step vs batch size")
@@ -114,8 +140,10 @@ def _peer(ax, data: dict) -> None:
     rows = data["rows"]
     x = range(len(rows))
     series = [("ours_tokens_per_s", "neuron_async_sm (async; device owns 1 core)")]
-    series += [(f"transformers_{n}t_tokens_per_s", f"transformers generate(), {n} thread(s)")
-               for n in data["transformers_threads"]]  # fmt: skip
+    series += [
+        (f"transformers_{n}t_tokens_per_s", f"transformers generate(), {n} thread(s)")
+        for n in data["transformers_threads"]
+    ]
     width = 0.8 / len(series)
     for j, (key, label) in enumerate(series):
         offset = (j - (len(series) - 1) / 2) * width
@@ -149,8 +177,14 @@ def write_serve_plot(report: dict, directory: str | Path) -> Path:
             by_label = {r["rate_label"]: r for r in rows}
             for q, style in (("p50", "o-"), ("p99", "s--")):
                 ys = [by_label[x][f"{metric}_ms_{q}"] for x in labels]
-                ax.plot(range(len(labels)), ys, style, color=colors.get(mode, "tab:green"), label=f"{mode} {q}",
-                        fillstyle="full" if q == "p50" else "none")  # fmt: skip
+                ax.plot(
+                    range(len(labels)),
+                    ys,
+                    style,
+                    color=colors.get(mode, "tab:green"),
+                    label=f"{mode} {q}",
+                    fillstyle="full" if q == "p50" else "none",
+                )
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels(labels)
         ax.set_xlabel("request rate (requests/s, Poisson; inf: all at once)")
@@ -162,8 +196,11 @@ def write_serve_plot(report: dict, directory: str | Path) -> Path:
     axes[0].yaxis.set_major_formatter(ScalarFormatter())  # 20, not 2 x 10^1
     axes[0].yaxis.set_minor_formatter(NullFormatter())
     c = report["config"]
-    fig.suptitle(f"bench serve: {c['model']}, {c['num_prompts']} prompts x {c['input_len']} -> {c['output_len']} "
-                 f"tokens, medians of {c['repetitions']} alternating runs", fontsize=10)  # fmt: skip
+    fig.suptitle(
+        f"bench serve: {c['model']}, {c['num_prompts']} prompts x {c['input_len']} -> {c['output_len']} "
+        f"tokens, medians of {c['repetitions']} alternating runs",
+        fontsize=10,
+    )
     fig.tight_layout()
     path = out / SERVE_PLOT
     fig.savefig(path, bbox_inches="tight")

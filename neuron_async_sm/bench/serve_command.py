@@ -43,16 +43,24 @@ def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
     from neuron_async_sm.bench.command import _floats  # here: command.py imports this module
     from neuron_async_sm.cli import _add_engine_args, _HelpFormatter
 
-    p = sub.add_parser("serve", help="serving benchmark: Poisson arrivals at a sweep of rates, async vs sync",
-                       description=SERVE_BENCH_HELP, formatter_class=_HelpFormatter)  # fmt: skip
+    p = sub.add_parser(
+        "serve",
+        help="serving benchmark: Poisson arrivals at a sweep of rates, async vs sync",
+        description=SERVE_BENCH_HELP,
+        formatter_class=_HelpFormatter,
+    )
     known = {a.dest for a in p._actions}
     _add_engine_args(p)
     engine_flags = [a for a in p._actions if a.dest not in known and a.dest not in NOT_FORWARDED]
     p.set_defaults(async_scheduling=None)  # None: both modes, alternating
     p.add_argument("--base-url", default=None, help="a running server (e.g. http://127.0.0.1:8000) instead of our own")
     p.add_argument("--label", default="server", help="with --base-url: the mode name in the report")
-    p.add_argument("--request-rates", type=_floats, default=(2.0, 4.0, 8.0, math.inf),
-                   help="requests per second, comma-separated; inf sends all at once")  # fmt: skip
+    p.add_argument(
+        "--request-rates",
+        type=_floats,
+        default=(2.0, 4.0, 8.0, math.inf),
+        help="requests per second, comma-separated; inf sends all at once",
+    )
     p.add_argument("--num-prompts", type=int, default=32, help="requests per rate, per mode, per repetition")
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens (random ids)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
@@ -61,9 +69,13 @@ def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repetitions", type=int, default=3, help="times each rate runs on each mode (medians)")
     p.add_argument("--warmup-prompts", type=int, default=4, help="unrecorded requests per server first")
     p.add_argument("--request-timeout-s", type=float, default=120.0, help="a request open longer fails")
-    p.add_argument("--max-other-cpu", type=float, default=None, metavar="SHARE",
-                   help="wait (up to 2 min) for other processes to use at most this share of the CPUs before each "
-                        "cell")  # fmt: skip
+    p.add_argument(
+        "--max-other-cpu",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="wait (up to 2 min) for other processes to use at most this share of the CPUs before each cell",
+    )
     p.add_argument("--server-log-dir", default=None, help="our servers' logs (default: a temporary directory)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
     p.add_argument("--plots", default=None, metavar="DIR", help="write bench_serve.png there (needs matplotlib)")
@@ -105,8 +117,19 @@ class ServerProcess:
             self.port = s.getsockname()[1]
         self.mode, self.url = mode, f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{mode}-{self.port}.log"
-        self.argv = [sys.executable, "-m", "neuron_async_sm", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                     "--log-level", "warning", *flags]  # fmt: skip
+        self.argv = [
+            sys.executable,
+            "-m",
+            "neuron_async_sm",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *flags,
+        ]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
         self.exit_code: int | None = None
@@ -114,13 +137,17 @@ class ServerProcess:
     def wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the {self.mode} server exited at start ({self.proc.returncode}); "
-                                   f"log {self.log_path}:\n{self._tail()}")  # fmt: skip
+                raise RuntimeError(
+                    f"the {self.mode} server exited at start ({self.proc.returncode}); "
+                    f"log {self.log_path}:\n{self._tail()}"
+                )
             if _get(self.url + "/health")[0] == 200:
                 return
             time.sleep(0.2)
-        raise RuntimeError(f"the {self.mode} server did not answer /health in {START_TIMEOUT_S:.0f} s; "
-                           f"log {self.log_path}:\n{self._tail()}")  # fmt: skip
+        raise RuntimeError(
+            f"the {self.mode} server did not answer /health in {START_TIMEOUT_S:.0f} s; "
+            f"log {self.log_path}:\n{self._tail()}"
+        )
 
     def pids(self) -> tuple[int, ...]:
         """The server and its children (the device process): their CPU is not "other" load."""
@@ -182,9 +209,15 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
     try:
         _validate(args)
-        spec = LoadSpec(args.num_prompts, args.input_len, args.output_len, load_model_config(args.model).vocab_size,
-                        burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-                        request_timeout_s=args.request_timeout_s)  # fmt: skip
+        spec = LoadSpec(
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            load_model_config(args.model).vocab_size,
+            burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency,
+            request_timeout_s=args.request_timeout_s,
+        )
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -221,11 +254,19 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             server.stop()
     report["machine"]["load_avg_end"] = load_average()
     report["config"] = {
-        "model": args.model, "modes": modes, "request_rates": [rate_label(r) for r in args.request_rates],
-        "num_prompts": spec.num_prompts, "input_len": spec.input_len, "output_len": spec.output_len,
-        "burstiness": spec.burstiness, "max_concurrency": spec.max_concurrency, "repetitions": args.repetitions,
-        "warmup_prompts": args.warmup_prompts, "seed": args.seed, "base_url": args.base_url,
-    }  # fmt: skip
+        "model": args.model,
+        "modes": modes,
+        "request_rates": [rate_label(r) for r in args.request_rates],
+        "num_prompts": spec.num_prompts,
+        "input_len": spec.input_len,
+        "output_len": spec.output_len,
+        "burstiness": spec.burstiness,
+        "max_concurrency": spec.max_concurrency,
+        "repetitions": args.repetitions,
+        "warmup_prompts": args.warmup_prompts,
+        "seed": args.seed,
+        "base_url": args.base_url,
+    }
     report["servers"] = [{"mode": s.mode, "argv": s.argv[1:], "exit_code": s.exit_code} for s in servers]
     report["runs"] = runs
     report["results"] = aggregate(runs, modes, args.request_rates)
@@ -241,14 +282,19 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     return EXIT_OK if all(r["failed"] == 0 for r in runs) else EXIT_FAILED
 
 
-async def _drive(endpoints: list[tuple[str, str, str, tuple[int, ...]]], args: argparse.Namespace, spec: LoadSpec,
-                 progress) -> list[dict]:  # fmt: skip
+async def _drive(
+    endpoints: list[tuple[str, str, str, tuple[int, ...]]], args: argparse.Namespace, spec: LoadSpec, progress
+) -> list[dict]:
     import openai
 
-    clients = [openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
-                                  timeout=spec.request_timeout_s) for _, url, _, _ in endpoints]  # fmt: skip
-    targets = [Target(name, client, model, pids, functools.partial(server_counters, url))
-               for (name, url, model, pids), client in zip(endpoints, clients, strict=True)]  # fmt: skip
+    clients = [
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=spec.request_timeout_s)
+        for _, url, _, _ in endpoints
+    ]
+    targets = [
+        Target(name, client, model, pids, functools.partial(server_counters, url))
+        for (name, url, model, pids), client in zip(endpoints, clients, strict=True)
+    ]
 
     async def quiet(window_s: float = 1.0, timeout_s: float = 120.0) -> float:
         """OtherLoad.wait_for_quiet, awaiting its windows: Ctrl-C cancels the run at once (asyncio.run's
@@ -268,8 +314,16 @@ async def _drive(endpoints: list[tuple[str, str, str, tuple[int, ...]]], args: a
 
     try:
         await warm_up(targets, spec, args.warmup_prompts, args.seed)
-        return await run_cells(targets, args.request_rates, spec, repetitions=args.repetitions, seed=args.seed,
-                               progress=progress, quiet=quiet, other_load=other_load)  # fmt: skip
+        return await run_cells(
+            targets,
+            args.request_rates,
+            spec,
+            repetitions=args.repetitions,
+            seed=args.seed,
+            progress=progress,
+            quiet=quiet,
+            other_load=other_load,
+        )
     finally:
         for client in clients:
             await client.close()
@@ -277,8 +331,10 @@ async def _drive(endpoints: list[tuple[str, str, str, tuple[int, ...]]], args: a
 
 def _print_results(report: dict) -> None:
     c = report["config"]
-    print(f"\nserving: {c['num_prompts']} prompts x {c['input_len']} -> {c['output_len']} tokens per rate, "
-          f"{c['model']}, medians of {c['repetitions']} alternating runs per mode (ms)")  # fmt: skip
+    print(
+        f"\nserving: {c['num_prompts']} prompts x {c['input_len']} -> {c['output_len']} tokens per rate, "
+        f"{c['model']}, medians of {c['repetitions']} alternating runs per mode (ms)"
+    )
     head = f"{'rate':>5s} {'mode':>6s} {'ok':>4s} {'fail':>4s} {'req/s':>6s} {'tok/s':>7s}"
     head += "".join(f" {n.upper() + ' ' + q:>10s}" for n in LATENCIES for q in ("p50", "p99"))
     print(head)

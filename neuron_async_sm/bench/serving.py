@@ -102,9 +102,14 @@ async def stream_one(client, model: str, prompt: list[int], spec: LoadSpec) -> R
     async def read() -> None:
         nonlocal chunk_tokens
         async with client.completions.with_streaming_response.create(
-            model=model, prompt=prompt, max_tokens=spec.output_len, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body=body,
-        ) as response:  # fmt: skip
+            model=model,
+            prompt=prompt,
+            max_tokens=spec.output_len,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=body,
+        ) as response:
             # Bounded: the server sends at most output_len token chunks, a usage chunk and [DONE];
             # the whole request is under request_timeout_s (wait_for below).
             async for line in response.iter_lines():
@@ -139,8 +144,9 @@ async def stream_one(client, model: str, prompt: list[int], spec: LoadSpec) -> R
     return record
 
 
-async def run_load(client, model: str, prompts: Sequence[list[int]], offsets: Sequence[float],
-                   spec: LoadSpec) -> tuple[list[RequestRecord], float]:  # fmt: skip
+async def run_load(
+    client, model: str, prompts: Sequence[list[int]], offsets: Sequence[float], spec: LoadSpec
+) -> tuple[list[RequestRecord], float]:
     """Send prompts[i] at offsets[i] (s after start), all streamed at once; (records, duration_s).
 
     duration_s runs from the first send to the last request's end, as vLLM's benchmark measures it.
@@ -228,9 +234,17 @@ def mode_order(targets: Sequence[Target], repetition: int, rate_index: int) -> l
     return list(targets) if (repetition + rate_index) % 2 == 0 else list(reversed(targets))
 
 
-async def run_cells(targets: Sequence[Target], rates: Sequence[float], spec: LoadSpec, *, repetitions: int,
-                    seed: int, progress: Callable[[str], None], quiet: Callable[[], Awaitable[float]],
-                    other_load: Callable[[Sequence[int]], Callable[[], float]]) -> list[dict]:  # fmt: skip
+async def run_cells(
+    targets: Sequence[Target],
+    rates: Sequence[float],
+    spec: LoadSpec,
+    *,
+    repetitions: int,
+    seed: int,
+    progress: Callable[[str], None],
+    quiet: Callable[[], Awaitable[float]],
+    other_load: Callable[[Sequence[int]], Callable[[], float]],
+) -> list[dict]:
     """Every (repetition, rate) cell once per target, in `mode_order` (ABBA...).
 
     Both targets of a cell get the same prompts and arrival times (seeded by repetition and rate), so
@@ -251,10 +265,18 @@ async def run_cells(targets: Sequence[Target], rates: Sequence[float], spec: Loa
                 share, counted = other_load(target.other_pids), target.counters()
                 records, duration = await run_load(target.client, target.model, prompts, offsets, spec)
                 server = server_side(counted, target.counters())
-                run = {"mode": target.name, "request_rate": None if math.isinf(rate) else rate,
-                       "rate_label": rate_label(rate), "repetition": rep, "cell": cell,
-                       "arrival_span_s": offsets[-1], "other_cpu_before": before, "other_cpu": share(),
-                       **summarize(records, duration, spec.input_len), "server": server}  # fmt: skip
+                run = {
+                    "mode": target.name,
+                    "request_rate": None if math.isinf(rate) else rate,
+                    "rate_label": rate_label(rate),
+                    "repetition": rep,
+                    "cell": cell,
+                    "arrival_span_s": offsets[-1],
+                    "other_cpu_before": before,
+                    "other_cpu": share(),
+                    **summarize(records, duration, spec.input_len),
+                    "server": server,
+                }
                 runs.append(run)
                 progress(f"{target.name} @ {run['rate_label']}/s: {run['completed']} ok, {run['failed']} failed")
             cell += 1
@@ -277,8 +299,11 @@ def aggregate(runs: Sequence[dict], modes: Sequence[str], rates: Sequence[float]
         rows = []
         for rate in rates:
             mine = [r for r in runs if r["mode"] == mode and r["rate_label"] == rate_label(rate)]
-            row = {"request_rate": None if math.isinf(rate) else rate, "rate_label": rate_label(rate),
-                   "repetitions": len(mine)}  # fmt: skip
+            row = {
+                "request_rate": None if math.isinf(rate) else rate,
+                "rate_label": rate_label(rate),
+                "repetitions": len(mine),
+            }
             for key, value in mine[0].items():
                 if key in ("completed", "failed", "input_tokens", "output_tokens", "itl_count"):
                     row[key] = sum(r[key] for r in mine)

@@ -42,8 +42,7 @@ def calibrate(model: str, workload: Workload, **config: object) -> tuple[float, 
         runs = [engine.run(workload) for _ in range(3)]
     finally:
         engine.close()
-    return (statistics.median(r["host_ms_per_step"] for r in runs),
-            statistics.median(r["device_ms_p50"] for r in runs))  # fmt: skip
+    return (statistics.median(r["host_ms_per_step"] for r in runs), statistics.median(r["device_ms_p50"] for r in runs))
 
 
 def run_sweep(
@@ -75,34 +74,43 @@ def run_sweep(
             extra = 0.0 if hold else max(0.0, floor_ms / ratio - host_ms)  # D stays at the floor: raise C
             plan.append((ratio, hold, extra))
         for ratio, hold, extra in plan:
-            result = compare_modes(model, workload, repetitions=repetitions, device_time_ms=hold,
-                                   host_extra_ms=extra, max_other_cpu=max_other_cpu, progress=progress,
-                                   **config)  # fmt: skip
+            result = compare_modes(
+                model,
+                workload,
+                repetitions=repetitions,
+                device_time_ms=hold,
+                host_extra_ms=extra,
+                max_other_cpu=max_other_cpu,
+                progress=progress,
+                **config,
+            )
             c = result.comparison
-            points.append({
-                "kind": "device hold" if hold else "host spin" if extra else "real compute",
-                "requested_ratio": ratio,  # None: the real-compute point
-                "device_time_ms": hold,  # 0: under the program's own time, no hold
-                "host_extra_ms": extra,  # emulated extra host work per step (ratios under the floor)
-                "D_over_C": c["D_over_C"],
-                "C_ms": c["C_ms"],
-                "D_ms": c["D_ms"],
-                "O_ms": c["O_ms"],
-                "speedup": c["speedup"],
-                "ideal_speedup": c["ideal_speedup"],
-                "ideal_speedup_with_transport": c["ideal_speedup_with_transport"],
-                "overlap_efficiency": c["overlap_efficiency"],
-                "overlap_efficiency_with_transport": c["overlap_efficiency_with_transport"],
-                "speedup_vs_ideal": c["speedup"] / c["ideal_speedup"],
-                "async_step_fraction": result.async_["async_step_fraction"],
-                "sync_step_ms": result.sync["step_ms"],
-                "async_step_ms": result.async_["step_ms"],
-                "async_D_ms": result.async_["device_ms_per_step"],  # the program slows when the host runs beside it
-                "async_device_idle_ms": result.async_["device_idle_ms_per_step"],
-                "async_device_overhead_ms": result.async_["device_overhead_ms_per_step"],
-                "excluded_pairs": c["excluded_pairs"],
-                "other_cpu": [r["other_cpu"] for r in result.runs],
-            })  # fmt: skip
+            points.append(
+                {
+                    "kind": "device hold" if hold else "host spin" if extra else "real compute",
+                    "requested_ratio": ratio,  # None: the real-compute point
+                    "device_time_ms": hold,  # 0: under the program's own time, no hold
+                    "host_extra_ms": extra,  # emulated extra host work per step (ratios under the floor)
+                    "D_over_C": c["D_over_C"],
+                    "C_ms": c["C_ms"],
+                    "D_ms": c["D_ms"],
+                    "O_ms": c["O_ms"],
+                    "speedup": c["speedup"],
+                    "ideal_speedup": c["ideal_speedup"],
+                    "ideal_speedup_with_transport": c["ideal_speedup_with_transport"],
+                    "overlap_efficiency": c["overlap_efficiency"],
+                    "overlap_efficiency_with_transport": c["overlap_efficiency_with_transport"],
+                    "speedup_vs_ideal": c["speedup"] / c["ideal_speedup"],
+                    "async_step_fraction": result.async_["async_step_fraction"],
+                    "sync_step_ms": result.sync["step_ms"],
+                    "async_step_ms": result.async_["step_ms"],
+                    "async_D_ms": result.async_["device_ms_per_step"],  # the program slows when the host runs beside it
+                    "async_device_idle_ms": result.async_["device_idle_ms_per_step"],
+                    "async_device_overhead_ms": result.async_["device_overhead_ms_per_step"],
+                    "excluded_pairs": c["excluded_pairs"],
+                    "other_cpu": [r["other_cpu"] for r in result.runs],
+                }
+            )
     return {
         "model": "micro-llama (1 layer, hidden 32, vocab 256; seeded random weights)",
         "batch": batch,

@@ -296,8 +296,9 @@ class AsyncLLM:
                 logger.exception("engine thread failed")
                 dead_reason = llm.engine.dead_reason or f"{type(exc).__name__}: {exc}"
             if accepted or rejected or deltas or dead_reason is not None or stopping:
-                self._post(EngineTurn(accepted, rejected, arrivals, deltas, time.monotonic(), self._stats(),
-                                      dead_reason))  # fmt: skip
+                self._post(
+                    EngineTurn(accepted, rejected, arrivals, deltas, time.monotonic(), self._stats(), dead_reason)
+                )
         if self.owns_llm:
             try:
                 llm.close()

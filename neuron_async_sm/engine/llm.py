@@ -148,8 +148,14 @@ class LLM:
         rejected: dict[int, RequestOutput] = {}
         for i, r in enumerate(normalized):
             if r.request_id in results:  # results are keyed by id: a duplicate would merge into the first
-                rejected[i] = RequestOutput(r.request_id, r.prompt_token_ids, [], True, "error",
-                                            f"request_id: duplicate request id {r.request_id!r}")  # fmt: skip
+                rejected[i] = RequestOutput(
+                    r.request_id,
+                    r.prompt_token_ids,
+                    [],
+                    True,
+                    "error",
+                    f"request_id: duplicate request id {r.request_id!r}",
+                )
             else:
                 results[r.request_id] = RequestOutput(r.request_id, r.prompt_token_ids)
         progress = _progress(len(normalized)) if use_tqdm else None

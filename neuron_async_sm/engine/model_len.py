@@ -66,8 +66,14 @@ def resolve_model_len(config: EngineConfig, model: LlamaConfig) -> EngineConfig:
             logger.warning(
                 "max_model_len=%d, reduced from the model's max_position_embeddings %d to fit %s %.3g "
                 "(the KV cache for %s, %s); pass a larger --kv-cache-memory-gb or a smaller --max-num-seqs "
-                "for more", chosen, limit, budget_source, budget_gb, slots, config.dtype,
-            )  # fmt: skip
+                "for more",
+                chosen,
+                limit,
+                budget_source,
+                budget_gb,
+                slots,
+                config.dtype,
+            )
         else:
             raise ConfigError(
                 f"kv_cache_memory_gb: {budget_gb:.3g} GiB holds a KV cache of {fits} positions per slot "

@@ -76,8 +76,9 @@ def warmup_calls(config: EngineConfig, vocab_size: int) -> list[WarmupCall]:
             calls.append(plain)
         if relay and shape[0] <= width:  # no step has more rows than relay_width
             # This shape's own output, padded, is the relay input: the pads of every output row count.
-            padded = WarmupCall(f"relay pad {shape[0]}", RELAY_PAD_PROGRAM, {"tokens": plain},
-                                TensorSpec((width,), SAMPLED_DTYPE))  # fmt: skip
+            padded = WarmupCall(
+                f"relay pad {shape[0]}", RELAY_PAD_PROGRAM, {"tokens": plain}, TensorSpec((width,), SAMPLED_DTYPE)
+            )
             rows = torch.full((shape[0],), -1, dtype=torch.int32)  # [rows] relays nothing: padding rows
             relay_inputs = {**inputs, "relay_tokens": padded, "relay_rows": rows}
             relay_calls.append(WarmupCall(f"relay {_label(shape)}", STEP_PROGRAM, relay_inputs, out))

@@ -37,11 +37,19 @@ class ServeSettings:
 class ApiError(Exception):
     """An OpenAI-style error response."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.body = status, p.ErrorResponse(error=p.ErrorInfo(message=message, type=type_,
-                                                                           param=param, code=code))  # fmt: skip
+        self.status, self.body = (
+            status,
+            p.ErrorResponse(error=p.ErrorInfo(message=message, type=type_, param=param, code=code)),
+        )
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body.model_dump(), status_code=self.status)
@@ -81,8 +89,9 @@ def _invalid(exc: Exception) -> ApiError:
 class Server:
     """The routes' shared state: the engine, the text codec, the metrics and the settings."""
 
-    def __init__(self, engine: AsyncLLM, tokenizer: ServedTokenizer | None, metrics: ServerMetrics,
-                 settings: ServeSettings) -> None:  # fmt: skip
+    def __init__(
+        self, engine: AsyncLLM, tokenizer: ServedTokenizer | None, metrics: ServerMetrics, settings: ServeSettings
+    ) -> None:
         self.engine, self.tokenizer, self.metrics, self.settings = engine, tokenizer, metrics, settings
         self._deadline: asyncio.TimerHandle | None = None
 
@@ -94,23 +103,32 @@ class Server:
 
     # -- one request --------------------------------------------------------------------------------
 
-    def sampling_params(self, body: p.CompletionRequest | p.ChatCompletionRequest, prompt_len: int,
-                        max_tokens: int | None) -> SamplingParams:  # fmt: skip
+    def sampling_params(
+        self, body: p.CompletionRequest | p.ChatCompletionRequest, prompt_len: int, max_tokens: int | None
+    ) -> SamplingParams:
         limit = self.settings.max_model_len
         if prompt_len >= limit:
-            raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's maximum context length is {limit} "
-                                "tokens, and at least one must be left for output",
-                           param="messages" if isinstance(body, p.ChatCompletionRequest) else "prompt",
-                           code="context_length_exceeded")  # fmt: skip
+            raise ApiError(
+                400,
+                f"the prompt has {prompt_len} tokens; this model's maximum context length is {limit} "
+                "tokens, and at least one must be left for output",
+                param="messages" if isinstance(body, p.ChatCompletionRequest) else "prompt",
+                code="context_length_exceeded",
+            )
         if max_tokens is None:
             max_tokens = limit - prompt_len
         elif prompt_len + max_tokens > limit:
-            raise ApiError(400, f"max_tokens: {max_tokens} output tokens after a {prompt_len}-token prompt exceed "
-                                f"this model's maximum context length of {limit} tokens",
-                           param="max_tokens", code="context_length_exceeded")  # fmt: skip
+            raise ApiError(
+                400,
+                f"max_tokens: {max_tokens} output tokens after a {prompt_len}-token prompt exceed "
+                f"this model's maximum context length of {limit} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         if body.stop_strings and self.tokenizer is None:
-            raise ApiError(400, "stop: stop strings need a tokenizer.json in the model directory; use stop_token_ids",
-                           param="stop")  # fmt: skip
+            raise ApiError(
+                400, "stop: stop strings need a tokenizer.json in the model directory; use stop_token_ids", param="stop"
+            )
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -133,8 +151,9 @@ class Server:
             raise _invalid(exc) from exc
         except EngineOverloadedError as exc:
             self.metrics.rejected("overloaded")
-            raise ApiError(503, f"the server is overloaded: {exc}; retry later", "service_unavailable",
-                           code="overloaded") from exc  # fmt: skip
+            raise ApiError(
+                503, f"the server is overloaded: {exc}; retry later", "service_unavailable", code="overloaded"
+            ) from exc
         except EngineDeadError as exc:
             self.metrics.rejected("engine_dead")
             raise ApiError(503, str(exc), "service_unavailable", code="engine_dead") from exc
@@ -230,8 +249,9 @@ def build_app(server: Server) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if engine.dead_reason is not None:
-            return ApiError(503, f"engine is dead: {engine.dead_reason}", "service_unavailable",
-                            code="engine_dead").response()  # fmt: skip
+            return ApiError(
+                503, f"engine is dead: {engine.dead_reason}", "service_unavailable", code="engine_dead"
+            ).response()
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -244,8 +264,12 @@ def build_app(server: Server) -> FastAPI:
 
     def check(body: p.CompletionRequest | p.ChatCompletionRequest) -> None:
         if body.model != settings.model_name:
-            raise ApiError(404, f"model: the model {body.model!r} does not exist; this server serves "
-                                f"{settings.model_name!r}", param="model", code="model_not_found")  # fmt: skip
+            raise ApiError(
+                404,
+                f"model: the model {body.model!r} does not exist; this server serves {settings.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         unsupported = body.unsupported()
         if unsupported is not None:
             raise ApiError(400, f"{unsupported[0]}: {unsupported[1]}", param=unsupported[0])
@@ -258,8 +282,11 @@ def build_app(server: Server) -> FastAPI:
         check(body)
         if isinstance(body.prompt, str):
             if server.tokenizer is None:
-                raise ApiError(400, "prompt: text prompts need a tokenizer.json in the model directory; "
-                                    "give token ids", param="prompt")  # fmt: skip
+                raise ApiError(
+                    400,
+                    "prompt: text prompts need a tokenizer.json in the model directory; give token ids",
+                    param="prompt",
+                )
             prompt_ids = server.tokenizer.encode(body.prompt)
         else:
             prompt_ids = body.prompt
@@ -267,11 +294,13 @@ def build_app(server: Server) -> FastAPI:
         stream = await server.start(prompt_ids, params, "cmpl")
         text = IncrementalText(server.tokenizer, body.stop_strings)
 
-        def chunk(text_piece: str, ids: list[int], reason: str | None, usage: p.Usage | None = None,
-                  choices: bool = True) -> p.CompletionResponse:  # fmt: skip
+        def chunk(
+            text_piece: str, ids: list[int], reason: str | None, usage: p.Usage | None = None, choices: bool = True
+        ) -> p.CompletionResponse:
             choice = p.CompletionChoice(text=text_piece, finish_reason=reason, token_ids=token_ids_of(body, ids))
-            return p.CompletionResponse(id=stream.request_id, model=settings.model_name,
-                                        choices=[choice] if choices else [], usage=usage)  # fmt: skip
+            return p.CompletionResponse(
+                id=stream.request_id, model=settings.model_name, choices=[choice] if choices else [], usage=usage
+            )
 
         if body.stream:
 
@@ -292,8 +321,9 @@ def build_app(server: Server) -> FastAPI:
         async def collect() -> p.CompletionResponse:
             pieces = [piece async for piece in server.pieces(stream, text)]
             ids = [t for piece in pieces for t in piece.token_ids]
-            return chunk("".join(x.text for x in pieces), ids, pieces[-1].finish_reason,
-                         p.usage(len(prompt_ids), len(ids)))  # fmt: skip
+            return chunk(
+                "".join(x.text for x in pieces), ids, pieces[-1].finish_reason, p.usage(len(prompt_ids), len(ids))
+            )
 
         return await run_collect(request, stream, collect())
 
@@ -301,8 +331,11 @@ def build_app(server: Server) -> FastAPI:
     async def chat(body: p.ChatCompletionRequest, request: Request) -> Response:
         check(body)
         if server.tokenizer is None:
-            raise ApiError(400, "messages: chat needs a tokenizer.json and a chat template in the model directory",
-                           param="messages")  # fmt: skip
+            raise ApiError(
+                400,
+                "messages: chat needs a tokenizer.json and a chat template in the model directory",
+                param="messages",
+            )
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             prompt_ids = server.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
@@ -326,8 +359,14 @@ def build_app(server: Server) -> FastAPI:
                         n += len(piece.token_ids)
                         yield _sse(chunk(p.ChatDelta(content=piece.text), piece.token_ids, piece.finish_reason))
                     if body.stream_options is not None and body.stream_options.include_usage:
-                        yield _sse(p.ChatCompletionChunk(id=stream.request_id, model=settings.model_name, choices=[],
-                                                         usage=p.usage(len(prompt_ids), n)))  # fmt: skip
+                        yield _sse(
+                            p.ChatCompletionChunk(
+                                id=stream.request_id,
+                                model=settings.model_name,
+                                choices=[],
+                                usage=p.usage(len(prompt_ids), n),
+                            )
+                        )
                 except GenerationEnded as exc:
                     yield _sse(exc.api_error.body)
                 yield "data: [DONE]\n\n"
@@ -338,10 +377,15 @@ def build_app(server: Server) -> FastAPI:
             pieces = [piece async for piece in server.pieces(stream, text)]
             ids = [t for piece in pieces for t in piece.token_ids]
             message = p.AssistantMessage(content="".join(x.text for x in pieces))
-            choice = p.ChatChoice(message=message, finish_reason=pieces[-1].finish_reason,
-                                  token_ids=token_ids_of(body, ids))  # fmt: skip
-            return p.ChatCompletionResponse(id=stream.request_id, model=settings.model_name, choices=[choice],
-                                            usage=p.usage(len(prompt_ids), len(ids)))  # fmt: skip
+            choice = p.ChatChoice(
+                message=message, finish_reason=pieces[-1].finish_reason, token_ids=token_ids_of(body, ids)
+            )
+            return p.ChatCompletionResponse(
+                id=stream.request_id,
+                model=settings.model_name,
+                choices=[choice],
+                usage=p.usage(len(prompt_ids), len(ids)),
+            )
 
         return await run_collect(request, stream, collect())
 

@@ -22,18 +22,32 @@ are token ids and every choice carries `token_ids`."""
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from neuron_async_sm.cli import EXIT_CODES_HELP, _add_engine_args, _HelpFormatter
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the 'serve' extra)",
-                       description=SERVE_HELP, formatter_class=_HelpFormatter, epilog=EXIT_CODES_HELP)  # fmt: skip
+    p = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (needs the 'serve' extra)",
+        description=SERVE_HELP,
+        formatter_class=_HelpFormatter,
+        epilog=EXIT_CODES_HELP,
+    )
     _add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--served-model-name", default=None, help="the `model` clients pass (default: --model)")
-    p.add_argument("--max-waiting", type=int, default=256,
-                   help="requests beyond this many waiting for a slot get 503 at once")  # fmt: skip
-    p.add_argument("--shutdown-timeout-s", type=float, default=30.0,
-                   help="on SIGTERM, how long in-flight requests may still run before they are aborted")  # fmt: skip
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                   help="uvicorn's log level")  # fmt: skip
+    p.add_argument(
+        "--max-waiting", type=int, default=256, help="requests beyond this many waiting for a slot get 503 at once"
+    )
+    p.add_argument(
+        "--shutdown-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long in-flight requests may still run before they are aborted",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn's log level",
+    )
     p.set_defaults(func=run_serve)
 
 

@@ -65,8 +65,9 @@ class ServerMetrics:
         self.free_slots = gauge("kv_slots_free", "KV slots no request holds (max_num_seqs at idle).").labels(m)
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens of accepted requests.").labels(m)
         self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(m)
-        self._success = counter("request_success", "Finished requests by finish reason (abort and error included).",
-                                ("finished_reason",))  # fmt: skip
+        self._success = counter(
+            "request_success", "Finished requests by finish reason (abort and error included).", ("finished_reason",)
+        )
         self._rejected = counter("requests_rejected", "Requests refused before the engine ran them.", ("reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS).labels(m)
         self.itl = histogram("inter_token_latency_seconds", "Time between a request's tokens.", ITL_BUCKETS).labels(m)
@@ -74,10 +75,12 @@ class ServerMetrics:
         self._steps = counter("steps", "Forward steps by the worker's path state.", ("state",))
         fraction = gauge("async_step_fraction", "Share of forward steps that took the Steady path.")
         self.async_fraction = fraction.labels(m)
-        self.device_idle = histogram("device_idle_seconds", "Device idle time before each program (per step).",
-                                     IDLE_BUCKETS).labels(m)  # fmt: skip
-        self._materializations = counter("materializations", "Step outputs brought to the host, by thread.",
-                                         ("thread",))  # fmt: skip
+        self.device_idle = histogram(
+            "device_idle_seconds", "Device idle time before each program (per step).", IDLE_BUCKETS
+        ).labels(m)
+        self._materializations = counter(
+            "materializations", "Step outputs brought to the host, by thread.", ("thread",)
+        )
         for reason in ("stop", "length", "abort", "error"):
             self._success.labels(m, reason)
         for state in PATH_STATES if llm.config.async_scheduling else (SYNC_STATE,):

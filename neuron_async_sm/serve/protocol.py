@@ -126,8 +126,9 @@ class Usage(BaseModel):
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens)  # fmt: skip
+    return Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )
 
 
 FinishReason = Literal["stop", "length"] | None

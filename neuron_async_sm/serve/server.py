@@ -36,8 +36,14 @@ class DrainingServer(uvicorn.Server):
 
 def serve(app: FastAPI, server: Server, *, host: str, port: int, log_level: str) -> bool:
     """Run until a signal has drained the server; False if it never started (e.g. the port is taken)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=server.settings.shutdown_timeout_s + BACKSTOP_S)  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=server.settings.shutdown_timeout_s + BACKSTOP_S,
+    )
     uv = DrainingServer(config, server)
     received: list[int] = []
     # uvicorn re-raises the signal it caught once it has shut down. With this handler in place the

@@ -35,9 +35,11 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         try:
             return env.from_string(self.source).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token,
-            )  # fmt: skip
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
         except TemplateError as exc:
             raise ChatTemplateError(f"messages: the model's chat template failed: {exc}") from exc
 

@@ -59,9 +59,13 @@ class ModelInput:
     def sample_on_host(self, logits: torch.Tensor) -> torch.Tensor:
         """Host sampling: the same pure sampler the device runs, on logits [B, vocab]."""
         return sample_tokens(
-            logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-            seeds=self.seeds, output_index=self.output_index,
-        )  # fmt: skip
+            logits,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seeds=self.seeds,
+            output_index=self.output_index,
+        )
 
 
 def logits_dtype(dtype: str) -> torch.dtype:

@@ -53,8 +53,11 @@ class Reference:
         key = (tuple(prompt),) if greedy else (tuple(prompt), params.temperature, params.top_k, params.top_p, seed)
         cached = self._cache.get(key, ())
         if len(cached) < n:
-            sampling = {} if greedy else dict(temperature=params.temperature, top_k=params.top_k,
-                                              top_p=params.top_p, seed=seed)  # fmt: skip
+            sampling = (
+                {}
+                if greedy
+                else dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed)
+            )
             # One torch thread: the device process computes at the same time, and two host threads
             # spinning at OpenMP barriers beside it made this ~7x slower on a 2-core machine.
             threads = torch.get_num_threads()

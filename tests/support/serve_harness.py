@@ -62,8 +62,19 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / f"server-{self.port}.log"
-        argv = [sys.executable, "-m", "neuron_async_sm", "serve", "--model", model, "--port", str(self.port),
-                "--log-level", "warning", *flags]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "neuron_async_sm",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *flags,
+        ]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + start_timeout_s
@@ -80,8 +91,9 @@ class ServerProcess:
 
     def request(self, method: str, path: str, body: bytes | None, timeout_s: float = 30.0) -> tuple[int, bytes]:
         """(status, body) of a raw HTTP request; status 0 when nothing answered."""
-        req = urllib.request.Request(self.url + path, data=body, method=method,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        req = urllib.request.Request(
+            self.url + path, data=body, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as response:
                 return response.status, response.read()
