@@ -23,8 +23,12 @@ def batch_config(max_num_seqs: int) -> dict:
     and a token budget that admits every request's prompt in the first step."""
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_num_seqs) + (max_num_seqs,)
     budget = max(256, 32 * max_num_seqs)
-    return {"max_num_seqs": max_num_seqs, "decode_buckets": buckets, "max_num_batched_tokens": budget,
-            "prefill_buckets": (16, 32, 64, 128, 256, budget)}  # fmt: skip
+    return {
+        "max_num_seqs": max_num_seqs,
+        "decode_buckets": buckets,
+        "max_num_batched_tokens": budget,
+        "prefill_buckets": (16, 32, 64, 128, 256, budget),
+    }
 
 
 def load_average() -> list[float]:
