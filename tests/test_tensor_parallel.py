@@ -88,6 +88,9 @@ def check_churn(llm: LLM, reference: LLM, mode: dict) -> None:
                 assert got.tokens[rid] == expected.tokens[rid][: len(got.tokens[rid])], rid
             else:
                 assert (got.tokens[rid], got.finish[rid]) == (expected.tokens[rid], expected.finish[rid]), rid
+    # Only the output rank's tokens ever reach the host; the other rank's futures are fed or dropped.
+    output_rank, other = (runtime.stats().host_transfers for runtime in llm.engine.runtimes)
+    assert output_rank > 0 and other == 0, (output_rank, other)
     stats = llm.stats()
     if mode.get("async_scheduling", True):
         reached = {s for s, n in stats["state_counts"].items() if n > 0}
