@@ -63,6 +63,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="async mode: when the batch changes, build input ids on the device from the previous step's "
              "sampled tokens instead of breaking the async flow",
     )  # fmt: skip
+    p.add_argument(
+        "--enforce-eager", action=argparse.BooleanOptionalAction, default=d.enforce_eager,
+        help="run the model op by op; --no-enforce-eager compiles one program per bucket at start-up",
+    )  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests running at once")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="positions per request (default: the model's max_position_embeddings, reduced to fit "
@@ -91,6 +95,7 @@ def _engine_config(args: argparse.Namespace) -> dict:
         "dtype": args.dtype,
         "async_scheduling": args.async_scheduling,
         "async_relay": args.async_relay,
+        "enforce_eager": args.enforce_eager,
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len,
         "kv_cache_memory_gb": args.kv_cache_memory_gb,

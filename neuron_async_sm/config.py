@@ -42,6 +42,11 @@ class EngineConfig:
     # Async scheduling feeds the sampled-token future straight into the next program, so the
     # tokens must be sampled inside the program (on device). The design requires it.
     on_device_sampling: bool = True
+    # Run the forward op by op (vLLM's name). False: torch.compile one graph per padded input shape
+    # (every decode bucket and prefill shape), all at start-up. Not consistently faster on this
+    # 2-core host for tiny-llama (0.62-1.49x by batch) and minutes to build, so eager is the default
+    # (docs/benchmarks.md, "Compiled programs per bucket").
+    enforce_eager: bool = True
     max_num_seqs: int = 8
     # Positions per request (prompt + output). None: the model's max_position_embeddings, reduced to
     # fit kv_cache_memory_gb. EngineCore resolves it once; every reader after that sees an int.
@@ -104,6 +109,10 @@ class EngineConfig:
                 f"prefill_buckets: largest bucket {max(self.prefill_buckets)} does not cover "
                 f"max_num_batched_tokens={self.max_num_batched_tokens}"
             )
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager: must be True or False, got {self.enforce_eager!r}")
+        if not self.enforce_eager and self.device == "xla":
+            raise ConfigError("enforce_eager: False compiles with torch.compile; XLA compiles its own graphs")
         if self.async_scheduling and not self.on_device_sampling:
             raise ConfigError(
                 "async_scheduling: requires on_device_sampling (the sampled-token future feeds the "

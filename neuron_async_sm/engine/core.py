@@ -20,7 +20,7 @@ from neuron_async_sm.config import ConfigError, EngineConfig
 from neuron_async_sm.engine.executor import Executor
 from neuron_async_sm.engine.model_len import resolve_model_len
 from neuron_async_sm.engine.ranks import start_ranks
-from neuron_async_sm.engine.warmup import warmup_calls
+from neuron_async_sm.engine.warmup import warmup_calls, warmup_shapes
 from neuron_async_sm.errors import NeuronAsyncSMError
 from neuron_async_sm.model import (
     TINY_LLAMA,
@@ -127,7 +127,10 @@ class EngineCore:
         # Resolved once, before anything reads it: from here on max_model_len is the int chosen.
         self.config = config = _check_before_device_start(config, self.model_config)
         self.tracer = Tracer(config.trace_path)
-        spec = ModelSpec(config.model, config.dtype, config.max_num_seqs, config.max_model_len, config.seed)
+        compile_shapes = () if config.enforce_eager else tuple(warmup_shapes(config))  # built in the device
+        spec = ModelSpec(
+            config.model, config.dtype, config.max_num_seqs, config.max_model_len, config.seed, compile_shapes
+        )
         # One runtime per tensor-parallel rank; the output rank's is `runtime`, its runner `runner`.
         self.runtimes = start_ranks(
             config,
@@ -307,7 +310,8 @@ class EngineCore:
         }
         if self.config.async_scheduling:
             stats.update(self.runner.machine.counters())
-        if self.runtime.compiles_per_shape:  # programs compiled since warm-up ended: 0 unless it missed a shape
+        # Programs compiled since warm-up (or the compiled programs' start-up): 0 unless it missed a shape.
+        if self.runtime.compiles_per_shape or not self.config.enforce_eager:
             stats["compilations"] = self.runtime.stats().compilations
         return stats
 

@@ -13,6 +13,59 @@ from neuron_async_sm.model.kv_cache import KVCache
 from neuron_async_sm.model.rope import RopeTable, apply_rope
 
 
+@torch.library.custom_op("neuron_async_sm::cached_attention", mutates_args=("k_cache", "v_cache"))
+def cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    write_slots: torch.Tensor,
+    positions: torch.Tensor,
+    slot_ids: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The compiled program's attention, one opaque op: write k/v `[B, L, kv, D]` into one layer's
+    cache `[slots, max_model_len, kv, D]`, attend q `[B, L, heads, D]` to each row's slot; `[B, L, heads, D]`.
+
+    Opaque to torch.compile on purpose: traced, the in-place cache write becomes a copy of the whole
+    layer's cache per step (functionalization; 10x slower than eager), and the attended prefix
+    (`context_len`, a value read from `positions`) would make every context length its own program.
+    Here both stay as eager runs them, and the compiled graph is one per input shape.
+    """
+    max_len, heads_dim = k_cache.shape[1], k.shape[-2:]
+    flat = (write_slots * max_len + positions).reshape(-1)  # [B * L]
+    k_cache.view(-1, *heads_dim).index_copy_(0, flat, k.reshape(-1, *heads_dim))
+    v_cache.view(-1, *heads_dim).index_copy_(0, flat, v.reshape(-1, *heads_dim))
+    context_len = int(positions.max()) + 1
+    keys = k_cache[:, :context_len].index_select(0, slot_ids)  # [B, T, kv, D]
+    values = v_cache[:, :context_len].index_select(0, slot_ids)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=causal_mask(positions, context_len),
+        scale=scale,
+        enable_gqa=True,
+    )  # [B, heads, L, D]
+    return out.transpose(1, 2).contiguous()
+
+
+@cached_attention.register_fake
+def _(q, k, v, k_cache, v_cache, write_slots, positions, slot_ids, scale):  # noqa: ANN001, ANN202
+    return torch.empty_like(q)
+
+
+def causal_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor:
+    """Bool `[B, 1, L, T]`: key position t is visible to query (b, j) iff t <= positions[b, j].
+
+    Causal within the chunk (the chunk's own K/V are written before the read) and blind to stale
+    entries past the row's end. Position 0 is always visible, so no query row is fully masked (NaN).
+    """
+    key_pos = torch.arange(context_len, device=positions.device)
+    return (key_pos.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)
+
+
 @dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer. q/k/v and gate/up are fused so each layer runs two GEMMs where HF runs five."""
@@ -66,10 +119,12 @@ class LlamaModel:
     """Llama decoder: embeddings, `num_hidden_layers` pre-norm blocks (GQA attention + SwiGLU), norm, lm_head.
 
     Every op is row-local (no cross-row reduction), so a row's result does not depend on which other
-    rows share its batch beyond floating-point GEMM blocking.
+    rows share its batch beyond floating-point GEMM blocking. `opaque_attention` (set for a compiled
+    program) runs each layer's cache write and attention as the one op `cached_attention`.
     """
 
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, max_model_len: int, dtype: torch.dtype):
+        self.opaque_attention = False
         self.config = config
         self.weights = weights
         self.rope = RopeTable.build(config, max_model_len, dtype).to(weights.embed_tokens.device)
@@ -81,11 +136,7 @@ class LlamaModel:
         w = self.weights
         hidden = F.embedding(batch.input_ids, w.embed_tokens)  # [B, L, hidden]
         rope = self.rope.lookup(batch.positions)
-        # Key position t is visible to query (b, j) iff t <= positions[b, j]: causal within the chunk
-        # (the chunk's own K/V are written before the read) and blind to stale entries past the row's
-        # end. Position 0 is always visible, so no query row is fully masked (which would give NaN).
-        key_pos = torch.arange(batch.context_len, device=batch.positions.device)
-        mask = (key_pos.view(1, 1, -1) <= batch.positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, L, T]
+        mask = None if self.opaque_attention else causal_mask(batch.positions, batch.context_len)  # [B, 1, L, T]
         for index, layer in enumerate(w.layers):
             attn_in = self._norm(hidden, layer.input_norm)
             hidden = hidden + self._attention(index, layer, attn_in, batch, rope, mask, cache)
@@ -106,7 +157,7 @@ class LlamaModel:
         x: torch.Tensor,
         batch: ForwardBatch,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         cache: KVCache,
     ) -> torch.Tensor:
         cfg = self.config
@@ -115,9 +166,14 @@ class LlamaModel:
         q, k, v = F.linear(x, layer.qkv_proj).split([heads * dim, kv * dim, kv * dim], dim=-1)
         q = apply_rope(q.view(b, length, heads, dim), *rope)  # [B, L, heads, D]
         k = apply_rope(k.view(b, length, kv, dim), *rope)  # [B, L, kv, D]
+        v = v.view(b, length, kv, dim)
+        if self.opaque_attention:  # compiled: the cache write and attention as one op (mask unused)
+            out = cached_attention(q, k, v, cache.k[index], cache.v[index], batch.write_slots, batch.positions,
+                                   batch.slot_ids, self.scale)  # fmt: skip
+            return F.linear(out.reshape(b, length, heads * dim), layer.o_proj)
         # Padding tokens go to the scratch slot (batch.write_slots): writing them at their row's
         # slot, position 0, would overwrite a live request's first token.
-        cache.write(index, batch.write_slots, batch.positions, k, v.view(b, length, kv, dim))
+        cache.write(index, batch.write_slots, batch.positions, k, v)
         keys, values = cache.read(index, batch.slot_ids, batch.context_len)  # [B, T, kv, D]
         # enable_gqa: query head h reads kv head h // (heads // kv), HF's repeat_kv order.
         out = F.scaled_dot_product_attention(

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Sequence
+
 import torch
+from tqdm import tqdm
 
 from neuron_async_sm.model.config import LlamaConfig, load_model_config
 from neuron_async_sm.model.kv_cache import KVCache
@@ -12,6 +17,8 @@ from neuron_async_sm.model.sampler import sample_tokens
 from neuron_async_sm.model.spec import ModelSpec
 
 HOST = torch.device("cpu")
+
+logger = logging.getLogger("neuron_async_sm")
 
 
 class StepProgram:
@@ -36,6 +43,12 @@ class StepProgram:
     On a compiled-graph device (XLA) every shape is part of the program, so
     attention reads the whole cache (`fixed_context`) instead of the step's longest prefix; the mask
     makes the extra positions contribute nothing.
+
+    Compiled (`compile`): the forward runs as torch.compile graphs built at start-up and reused for
+    every step: one per decode bucket (static shapes) and, per prefill length, one for a single row
+    and one whose row count is symbolic (rows 2..max_num_seqs would otherwise be as many graphs). A
+    shape first seen while serving compiles then, and counts in the runtime's `compilations`.
+    Checks, padding, the relay and sampling stay eager.
     """
 
     def __init__(
@@ -47,6 +60,8 @@ class StepProgram:
         self.kv_cache = kv_cache
         self.device = device
         self.fixed_context = device.type == "xla"
+        self._compiled = None  # torch.compile of `_traced_forward` once `compile` ran; None: eager
+        self.compile_report: tuple[tuple[str, float], ...] = ()  # (shape label, seconds) per compiled shape
 
     @property
     def scratch_slot(self) -> int:
@@ -77,7 +92,7 @@ class StepProgram:
         """
         with self._no_autograd():
             batch = self._prepare(input_ids, positions, query_lens, slot_ids, relay_tokens, relay_rows)
-            logits = self.model.forward(batch, self.kv_cache)  # [B, vocab]
+            logits = self._forward(batch)  # [B, vocab]
             dev = self.device
             tokens = sample_tokens(
                 logits,
@@ -95,7 +110,61 @@ class StepProgram:
         """The same forward (including the KV writes) without sampling: logits `[B, vocab]`, for tests."""
         with self._no_autograd():
             batch = self._prepare(input_ids, positions, query_lens, slot_ids)
+            return self._forward(batch)
+
+    def compile(self, shapes: Sequence[tuple[int, ...]]) -> None:
+        """Compile the forward for each padded input_ids shape (`[B]` decode, `[B, L]` prefill) now.
+
+        Each shape runs one all-padding call (query_lens 0: only the scratch slot is written), which
+        compiles it unless a graph already covers it (a prefill of 3+ rows: the symbolic-rows graph).
+        Logs each shape's time.
+        """
+        if self.device.type == "xla":
+            raise ValueError("StepProgram.compile: an XLA device compiles its own graphs")
+        # Every shape is one more entry in the one code object's cache; past dynamo's limit it would
+        # silently fall back to eager. Several programs in one process (tests) share that cache.
+        import torch._dynamo  # noqa: PLC0415 (only a compiled program pays its import)
+
+        limit = 8 * len(shapes) + 64
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, limit)
+        self.model.opaque_attention = True
+        self._compiled = torch.compile(self._traced_forward, dynamic=False, fullgraph=True)
+        report = []
+        for shape in tqdm(shapes, desc="compiling step programs", unit="shape", disable=None):
+            rows, started = shape[0], time.perf_counter()
+            scratch = torch.full((rows,), self.scratch_slot, dtype=torch.int32)  # [rows] padding rows
+            zeros = torch.zeros(shape, dtype=torch.int32)
+            self.forward_logits(input_ids=zeros, positions=zeros, query_lens=torch.zeros(rows, dtype=torch.int32),
+                                slot_ids=scratch)  # fmt: skip
+            label = f"decode bucket {rows}" if len(shape) == 1 else f"prefill {rows} x {shape[1]}"
+            report.append((label, time.perf_counter() - started))
+            logger.info("compiled %s: %.1f s", *report[-1])
+        self.compile_report = tuple(report)
+        logger.info("compiled %d step program shapes in %.1f s", len(report), sum(s for _, s in report))
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self._compiled is None:
             return self.model.forward(batch, self.kv_cache)
+        # Tensors only: an int (context_len) would be a guard, one program per value.
+        inputs = (batch.input_ids, batch.positions, batch.write_slots, batch.slot_ids, batch.last_index)
+        rows, length = batch.input_ids.shape
+        if length > 1 and rows > 1:  # a prefill: its row count is symbolic (1 stays its own graph)
+            for tensor in inputs:
+                torch._dynamo.mark_dynamic(tensor, 0)
+        return self._compiled(*inputs)
+
+    def _traced_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        slot_ids: torch.Tensor,
+        last_index: torch.Tensor,
+    ) -> torch.Tensor:
+        """The forward as torch.compile sees it; attention reads its own context (`cached_attention`)."""
+        batch = ForwardBatch(input_ids, positions, write_slots, slot_ids, last_index, context_len=0)
+        return self.model.forward(batch, self.kv_cache)
 
     def _no_autograd(self) -> torch.autograd.grad_mode.no_grad | torch.autograd.grad_mode.inference_mode:
         # XLA refuses inference tensors in the in-place KV cache writes ("Cannot set version_counter");
@@ -211,7 +280,8 @@ class RelayPad:
 
 
 def build_step_program(spec: ModelSpec, device: torch.device = HOST) -> StepProgram:
-    """Loads the config and weights named by `spec` and allocates its KV cache (zeros), on `device`."""
+    """Loads the config and weights named by `spec` and allocates its KV cache (zeros), on `device`;
+    compiles the forward for `spec.compile_shapes` (none: eager)."""
     config = load_model_config(spec.model)
     if spec.max_model_len > config.max_position_embeddings:
         raise ValueError(
@@ -223,4 +293,7 @@ def build_step_program(spec: ModelSpec, device: torch.device = HOST) -> StepProg
         weights = weights.to(device)
     model = LlamaModel(config, weights, spec.max_model_len, spec.torch_dtype)
     kv_cache = KVCache(config, spec.max_num_seqs, spec.max_model_len, spec.torch_dtype, device)
-    return StepProgram(spec, config, model, kv_cache, device)
+    program = StepProgram(spec, config, model, kv_cache, device)
+    if spec.compile_shapes:
+        program.compile(spec.compile_shapes)
+    return program

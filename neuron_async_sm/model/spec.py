@@ -23,6 +23,9 @@ class ModelSpec:
     max_num_seqs: int  # number of real KV slots; slot index max_num_seqs is the padding scratch slot
     max_model_len: int  # positions per slot
     seed: int = 0  # seed for tiny-llama's random weights; unused for checkpoints
+    # Padded input_ids shapes to compile the forward for at build (torch.compile, one graph each):
+    # `(rows,)` decode, `(rows, length)` prefill. Empty: the forward runs eagerly (enforce_eager).
+    compile_shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -30,6 +30,7 @@ from .messages import (
     StartupFailed,
     WireTensor,
 )
+from .stats import graph_compilations
 
 
 class DeviceChannel(Protocol):
@@ -76,11 +77,13 @@ class DeviceLoop:
         self._programs: dict[str, Program] = {}
         self._memory: dict[int, torch.Tensor | FailedValue] = {}
         self._idle_s = 0.0  # blocked waiting for a message since the last ProgramDone
+        self._compiled_at_start = 0  # graph_compilations() once the programs were built (compiled ones too)
 
     def serve(self, channel: DeviceChannel, factory: ProgramFactory) -> None:
         """Build the programs, report readiness, then process messages until Shutdown or EOF."""
         try:
             self._programs = dict(factory(torch.device("cpu")))
+            self._compiled_at_start = graph_compilations()
         except Exception:
             channel.send(StartupFailed(f"program factory {factory!r} failed:\n{traceback.format_exc()}"))
             return
@@ -152,10 +155,15 @@ class DeviceLoop:
             self._memory[message.seq] = out
             elapsed = time.perf_counter() - start
             value = WireTensor.encode(out) if message.push_output else None
-            return ProgramDone(message.seq, elapsed, None, len(self._memory), value, self._take_idle())
+            live, idle = len(self._memory), self._take_idle()
+            return ProgramDone(message.seq, elapsed, None, live, value, idle, self._compiled())
         self._memory[message.seq] = failure
         elapsed = time.perf_counter() - start
-        return ProgramDone(message.seq, elapsed, failure.message, len(self._memory), idle_s=self._take_idle())
+        live, idle = len(self._memory), self._take_idle()
+        return ProgramDone(message.seq, elapsed, failure.message, live, None, idle, self._compiled())
+
+    def _compiled(self) -> int:
+        return graph_compilations() - self._compiled_at_start
 
     def _take_idle(self) -> float:
         idle, self._idle_s = self._idle_s, 0.0

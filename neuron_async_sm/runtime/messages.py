@@ -126,6 +126,7 @@ class ProgramDone:
     live_futures: int  # futures held in device memory once this program stored its output
     value: WireTensor | None = None  # the output, when RunProgram.push_output asked for it and it ran
     idle_s: float = 0.0  # time the device sat waiting for work since its previous ProgramDone
+    compilations: int = 0  # graphs the device compiled since its programs were built (a running total)
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import deque
 
 from .api import RuntimeStats
+
+
+def graph_compilations() -> int:
+    """Graphs torch.compile built in this process so far (recompilations included); 0 if it never ran.
+
+    Reads torch._dynamo's counters only where something imported it: an eager process pays nothing.
+    """
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 
 
 class StatsRecorder:
@@ -16,6 +26,7 @@ class StatsRecorder:
         self._lock = threading.Lock()
         self._recent_times_kept = recent_times_kept
         self._live = 0  # a gauge, not a counter: reset() keeps it
+        self._compiled = 0  # the device's running total of compilations since its programs were built
         self.reset()
 
     def reset(self) -> None:
@@ -30,9 +41,13 @@ class StatsRecorder:
             self._transfer_bytes = 0
             self._uploads = 0
             self._upload_bytes = 0
+            self._compiled_base = self._compiled
 
-    def program_done(self, device_time_s: float, failed: bool, live_futures: int, idle_s: float = 0.0) -> None:
+    def program_done(
+        self, device_time_s: float, failed: bool, live_futures: int, idle_s: float = 0.0, compilations: int = 0
+    ) -> None:
         with self._lock:
+            self._compiled = max(self._compiled, compilations)  # a running total; messages arrive in order
             self._idle_s += idle_s
             self._recent_idle.append(idle_s)
             self._live = live_futures
@@ -67,4 +82,5 @@ class StatsRecorder:
                 device_futures_live=self._live,
                 device_idle_s=self._idle_s,
                 recent_device_idle_s=list(self._recent_idle),
+                compilations=self._compiled - self._compiled_base,
             )
