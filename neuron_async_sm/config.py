@@ -175,6 +175,11 @@ def _tensor_parallel(config: EngineConfig) -> None:
         )
     if config.device_cpu is not None:
         raise ConfigError("device_cpu: pins one device process; with tensor_parallel_size > 1 leave it unset")
+    if not config.enforce_eager:
+        raise ConfigError(
+            "enforce_eager: a tensor-parallel rank's program runs eagerly (its collectives are not compiled); "
+            "drop --no-enforce-eager or use tensor_parallel_size 1"
+        )
 
 
 def _positive(name: str, value: int) -> None:

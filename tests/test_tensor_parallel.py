@@ -201,6 +201,8 @@ def test_tensor_parallel_size_is_validated_naming_the_field():
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ConfigError, match=r"tensor_parallel_size: .*device='cpu'"):
         EngineConfig(tensor_parallel_size=2, device="cpu-inprocess")
+    with pytest.raises(ConfigError, match="enforce_eager: a tensor-parallel rank's program runs eagerly"):
+        EngineConfig(tensor_parallel_size=2, enforce_eager=False)
     with pytest.raises(ConfigError, match="distributed_executor_backend: unknown backend 'slurm'"):
         EngineConfig(distributed_executor_backend="slurm")
     # tiny-llama has 4 attention heads (2 KV heads): 3 ranks cannot split them (checked before any device starts).
