@@ -55,10 +55,10 @@ class TurnLog:
 class _Span:
     """Times one named span of the main thread; spans nest (a fetch inside a materialize counts once)."""
 
-    __slots__ = ("_probe", "_name", "_wait", "_spin_s")
+    __slots__ = ("_probe", "_name", "is_wait", "_spin_s")
 
     def __init__(self, probe: StepProbe, name: str, spin_s: float = 0.0) -> None:
-        self._probe, self._name, self._wait, self._spin_s = probe, name, name in StepObserver.WAITS, spin_s
+        self._probe, self._name, self.is_wait, self._spin_s = probe, name, name in StepObserver.WAITS, spin_s
 
     def __enter__(self) -> None:
         probe = self._probe
@@ -72,7 +72,7 @@ class _Span:
         probe = self._probe
         start, wait = probe._open.pop()
         elapsed = time.perf_counter() - start
-        if self._wait:
+        if self.is_wait:
             probe._wait = wait + elapsed  # waits nested inside count once
         else:
             probe._phase[self._name] += elapsed - (probe._wait - wait)
@@ -90,7 +90,7 @@ class StepProbe(StepObserver):
     def __init__(self, host_extra_ms: float = 0.0) -> None:
         self.engine: EngineCore | None = None
         self.log = TurnLog()
-        self._thread = threading.current_thread()  # the engine's main thread
+        self._thread_id = threading.get_ident()  # the engine's main thread
         self._wait = 0.0
         self._open: list[tuple[float, float]] = []  # (start, waits so far) of each open span
         self._phase = dict.fromkeys(PHASES, 0.0)
@@ -108,9 +108,10 @@ class StepProbe(StepObserver):
         gc.callbacks.append(self._on_gc)  # any thread's collection stops every thread holding the GIL
 
     def span(self, name: str) -> _Span | nullcontext:
-        if threading.current_thread() is not self._thread:
-            return _IGNORED  # the async output thread: off the critical path
-        return self._spans[name]
+        span = self._spans[name]
+        if span.is_wait and threading.get_ident() != self._thread_id:
+            return _IGNORED  # the async output thread: off the critical path (phases run on the main thread only)
+        return span
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
