@@ -215,7 +215,38 @@ def test_hung_device_thread_is_abandoned_and_its_waiters_released(tmp_path):
         rt.close()
 
 
-@pytest.mark.parametrize("device", ["cpu", "cpu-inprocess"])
+def test_hung_local_device_releases_a_blocked_enqueue_and_fails_what_follows(tmp_path):
+    """The same watchdog on LocalRuntime (xla, accelerator): here the accelerator backend on this machine's CPU,
+    where a program runs inside enqueue, with a program that never returns (the gate stays shut)."""
+    gate = Gate(tmp_path / "gate")
+    rt = create_runtime("accelerator", ToyPrograms(), queue_depth=1, device_timeout_s=0.5)
+    try:
+        assert rt.enqueue("add_one", {"x": x4()}, I32).to_host().tolist() == [2, 3, 4, 5]
+        stuck, issued = in_thread(lambda: rt.enqueue("gated", {"x": x4(), "gate": gate.tensor}, I32))
+
+        def enqueue_until_refused() -> None:
+            while True:  # quick while the stuck program has not taken the one slot; then blocked until the hang
+                rt.enqueue("add_one", {"x": x4()}, I32).to_host()
+
+        blocked, refused = in_thread(enqueue_until_refused)
+        blocked.join(30)  # a bound against a broken watchdog, not a timing claim
+        assert not blocked.is_alive(), "an enqueue blocked behind a hung device was never released"
+        assert isinstance(refused[0], DeviceHungError), refused
+        assert "device runtime is hung: no program completed" in str(refused[0])
+        assert "abandoned the device" in str(refused[0])
+        assert "hung" in (rt.down_reason or "") or "no program completed" in (rt.down_reason or "")
+        with pytest.raises(DeviceHungError):
+            rt.enqueue("add_one", {"x": x4()}, I32)
+    finally:
+        gate.open()  # the stuck program returns; its enqueue hands back a future of a hung runtime
+        stuck.join(30)
+        rt.close()
+    [future] = issued
+    with pytest.raises(DeviceHungError):
+        future.to_host()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu-inprocess", "accelerator"])
 def test_idle_or_slow_but_progressing_device_is_not_hung(device):
     with create_runtime(device, ToyPrograms(), device_timeout_s=0.5) as rt:
         time.sleep(1.0)  # idle longer than the timeout: silence without work is not a hang

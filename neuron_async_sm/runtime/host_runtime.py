@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import enum
 import math
 import threading
-import time
 from collections import deque
 from collections.abc import Mapping
 
@@ -17,6 +15,7 @@ from .api import DeviceFuture, DeviceRuntime, RuntimeStats, TensorSpec
 from .config import RuntimeConfig, keep_off_cpu
 from .errors import DeviceHungError, DeviceLostError, DeviceProgramError, DeviceStartupError
 from .host_future import HostFuture
+from .in_flight import InFlight, RuntimeState
 from .messages import (
     DeviceMessage,
     Fetch,
@@ -37,15 +36,6 @@ from .transport import HostChannel
 
 PUSH_MAX_BYTES = 4096
 """Outputs up to this size (a step's sampled token ids) come back with their ProgramDone."""
-
-
-class RuntimeState(enum.Enum):
-    """Lifecycle of a runtime; only RUNNING accepts work."""
-
-    RUNNING = "running"
-    CLOSED = "closed"  # close() was called
-    LOST = "lost"  # the device went away on its own (killed, crashed)
-    HUNG = "hung"  # in-flight work saw no completion for device_timeout_s: the watchdog forced the device down
 
 
 class HostRuntime(DeviceRuntime):
@@ -81,26 +71,21 @@ class HostRuntime(DeviceRuntime):
         # GC'd futures wait here for the next send; deque.append takes no lock, so __del__ can never
         # deadlock on a lock its own thread already holds, nor interleave with a half-written message.
         self._deferred_releases: deque[int] = deque()
-        self._state_cv = threading.Condition()
-        self._state = RuntimeState.RUNNING  # (state)
-        self._down_reason = ""  # (state) why the runtime stopped accepting work
+        # Lifecycle, queue slots and the watchdog (in_flight.py); its cv is this runtime's state lock.
+        self._flight = InFlight(
+            config.queue_depth, config.device_timeout_s, lambda: len(self._unfinished) + len(self._fetches)
+        )
+        self._state_cv = self._flight.cv
         self._close_started = False  # (state)
-        self._slots_in_use = 0  # (state) unfinished programs, at most queue_depth
         self._unfinished: dict[int, threading.Event] = {}  # (state) seq → set when it completes
         self._fetches: dict[int, concurrent.futures.Future[WireTensor]] = {}  # (state) request → reply
         # (state) seq → its pushed output (None until its ProgramDone arrives) for every pushed
         # program whose output is neither read nor released yet.
         self._pushed: dict[int, WireTensor | None] = {}
-        # (state) when the device last showed progress: its last ProgramDone / Fetched, or the moment
-        # work arrived while nothing was in flight (an idle device's silence is not a hang).
-        self._last_progress = time.monotonic()
-        self._down = threading.Event()  # set once the runtime stops accepting work: the watchdog exits
         self._stats = StatsRecorder(config.recent_times_kept)
         self._receiver = threading.Thread(target=self._receive_loop, name="neuron-device-rx", daemon=True)
         self._receiver.start()
-        self._watchdog = threading.Thread(target=self._watch_progress, name="neuron-device-watchdog", daemon=True)
-        if config.device_timeout_s > 0:
-            self._watchdog.start()
+        self._flight.start_watchdog(self._forced_when_hung, self._on_hung)
 
     def _await_ready(self) -> frozenset[str]:
         try:
@@ -133,8 +118,7 @@ class HostRuntime(DeviceRuntime):
     @property
     def down_reason(self) -> str | None:
         """Why the runtime stopped accepting work (closed, lost, hung); None while it runs."""
-        with self._state_cv:
-            return None if self._state is RuntimeState.RUNNING else self._down_reason
+        return self._flight.down_reason
 
     @property
     def device_pid(self) -> int | None:
@@ -145,7 +129,7 @@ class HostRuntime(DeviceRuntime):
         if program not in self._programs:
             raise ValueError(f"unknown program {program!r}; this device has {sorted(self._programs)}")
         wire = {name: self._wire_input(name, value) for name, value in inputs.items()}
-        self._acquire_slot()
+        self._flight.acquire_slot()
         finished = threading.Event()
         sent = False
         try:
@@ -162,8 +146,8 @@ class HostRuntime(DeviceRuntime):
                 with self._state_cv:
                     # Registered under the state lock: a device loss either sees this entry and
                     # sets it, or happened first and we raise — the waiter can never hang.
-                    self._raise_if_down()
-                    self._note_work_arrives()
+                    self._flight.raise_if_down_locked()
+                    self._flight.work_arrives_locked()
                     self._unfinished[seq] = finished
                     if push:
                         self._pushed[seq] = None
@@ -171,7 +155,7 @@ class HostRuntime(DeviceRuntime):
                 sent = True
         finally:
             if not sent:
-                self._return_slot()
+                self._flight.return_slot()
         for arg in wire.values():
             if isinstance(arg, WireTensor):
                 self._stats.host_upload(arg.nbytes)
@@ -195,9 +179,7 @@ class HostRuntime(DeviceRuntime):
             if self._close_started:
                 return
             self._close_started = True
-            if self._state is RuntimeState.RUNNING:
-                self._state, self._down_reason = RuntimeState.CLOSED, "the runtime was closed"
-            self._state_cv.notify_all()  # blocked enqueues wake up and raise
+            self._flight.go_down_locked(RuntimeState.CLOSED, "the runtime was closed")  # blocked enqueues raise
         if grace == 0:
             # Hazard: a Shutdown sent to a stopped device can block forever on a full pipe; to a
             # killed one it fails at once. A device thread is not killed: it gets the Shutdown.
@@ -212,12 +194,11 @@ class HostRuntime(DeviceRuntime):
                 self._send_lock.release()
         stopped = self._channel.stop(grace)
         # Fail the waiters here as well: a device thread stuck in a program never reaches EOF.
-        self._device_gone(self._down_reason)
+        self._device_gone(self._flight.reason)
         if stopped:
             # It sees EOF at once (briefly joined even by kill()); an abandoned device thread never sends it.
             self._receiver.join(grace or 0.5)
-        if self._watchdog.is_alive():
-            self._watchdog.join(grace or 0.5)  # woken by _device_gone; it may be killing the device right now
+        self._flight.join_watchdog(grace or 0.5)
         self._deferred_releases.clear()
 
     # ---- FutureOwner (called by HostFuture) ------------------------------------------------------
@@ -243,8 +224,8 @@ class HostRuntime(DeviceRuntime):
             request_id = self._next_fetch
             self._next_fetch += 1
             with self._state_cv:
-                self._raise_if_down()
-                self._note_work_arrives()
+                self._flight.raise_if_down_locked()
+                self._flight.work_arrives_locked()
                 self._fetches[request_id] = reply
             self._send(Fetch(request_id, future_id))
         # Blocks; raises what the receiver set (program failure) or _device_gone did (loss, close,
@@ -259,7 +240,7 @@ class HostRuntime(DeviceRuntime):
                 return
             with self._state_cv:
                 self._pushed.pop(future.future_id, None)
-                if self._state is not RuntimeState.RUNNING:
+                if self._flight.state is not RuntimeState.RUNNING:
                     return  # device memory went with the device
             try:
                 # Safe to send now: the device processes this after every program already sent,
@@ -282,37 +263,6 @@ class HostRuntime(DeviceRuntime):
             return WireTensor.encode(value)  # copied now: later host writes cannot reach the device
         raise TypeError(f"input {name!r}: expected a tensor or a DeviceFuture, got {type(value).__name__}")
 
-    def _acquire_slot(self) -> None:
-        with self._state_cv:
-            # Bounded in-flight queue: block (never drop) until a program finishes. A device loss,
-            # close() or the watchdog (a full queue is in-flight work) notifies all: cannot hang.
-            while self._state is RuntimeState.RUNNING and self._slots_in_use >= self._config.queue_depth:
-                self._state_cv.wait()
-            self._raise_if_down()
-            self._slots_in_use += 1
-
-    def _return_slot(self) -> None:
-        with self._state_cv:
-            self._slots_in_use -= 1
-            self._state_cv.notify()
-
-    def _raise_if_down(self) -> None:
-        """Caller holds ``_state_cv``."""
-        if self._state is not RuntimeState.RUNNING:
-            raise self._down_error()
-
-    def _down_error(self) -> DeviceLostError:
-        """Caller holds ``_state_cv``; the runtime is down. What every waiter and later call gets."""
-        error = DeviceHungError if self._state is RuntimeState.HUNG else DeviceLostError
-        return error(f"device runtime is {self._state.value}: {self._down_reason}")
-
-    def _note_work_arrives(self) -> None:
-        """Caller holds ``_state_cv``, about to register a program or a fetch."""
-        if not self._unfinished and not self._fetches:
-            # Hazard: a false hang. An idle device completes nothing; its silence only counts from
-            # the moment it has work, not from its last completion (maybe minutes ago).
-            self._last_progress = time.monotonic()
-
     def _send(self, message: HostMessage) -> None:
         """Caller holds ``_send_lock``. Flushes deferred releases first, inside a RunProgram when
         that is the message (they only ever name futures nobody can pass to a later program, this
@@ -334,7 +284,7 @@ class HostRuntime(DeviceRuntime):
         except OSError as exc:
             reason = self._channel.describe_exit()
             self._device_gone(reason)
-            error = DeviceHungError if self._state is RuntimeState.HUNG else DeviceLostError  # final once down
+            error = DeviceHungError if self._flight.state is RuntimeState.HUNG else DeviceLostError  # final once down
             raise error(f"device lost while sending: {reason} ({exc})") from exc
 
     def _receive_loop(self) -> None:
@@ -359,22 +309,19 @@ class HostRuntime(DeviceRuntime):
             self._device_gone(reason)
 
     def _on_program_done(self, message: ProgramDone) -> None:
-        self._stats.program_done(
-            message.device_time_s, message.error is not None, message.live_futures, message.idle_s, message.compilations
-        )
+        self._stats.program_done(message.device_time_s, message.error is not None, message.live_futures, message.idle_s)
         with self._state_cv:
-            self._last_progress = time.monotonic()
+            self._flight.progress_locked()
             if message.seq in self._pushed:  # else: not pushed, or already released
                 self._pushed[message.seq] = message.value  # stored before `finished` is set
             finished = self._unfinished.pop(message.seq, None)  # None: close() already released it
             if finished is not None:
                 finished.set()  # before the slot is freed: whoever takes the slot sees this program done
-            self._slots_in_use -= 1
-            self._state_cv.notify()  # one slot freed: wake one blocked enqueue
+            self._flight.free_slot_locked()
 
     def _on_fetched(self, message: Fetched) -> None:
         with self._state_cv:
-            self._last_progress = time.monotonic()
+            self._flight.progress_locked()
             reply = self._fetches.pop(message.request_id, None)
         if reply is None:
             return  # close() already failed this waiter with DeviceLostError
@@ -383,48 +330,27 @@ class HostRuntime(DeviceRuntime):
         else:
             reply.set_exception(DeviceProgramError(message.error or "fetch failed"))
 
-    def _watch_progress(self) -> None:
-        """Watchdog thread: in-flight work with no completion for ``device_timeout_s`` is a hung device.
+    def _forced_when_hung(self) -> str:
+        """What the watchdog does to a hung device (called under the state lock, before it does it)."""
+        pid = self._channel.pid
+        return "abandoned the device thread" if pid is None else f"killed device process {pid}"
 
-        Declares it (HUNG), forces the device down (a process is killed, a thread abandoned) and
-        releases every waiter with DeviceHungError through ``_device_gone``, like any lost device.
-        """
-        timeout = self._config.device_timeout_s
-        while True:
-            with self._state_cv:
-                if self._state is not RuntimeState.RUNNING:
-                    return
-                in_flight = len(self._unfinished) + len(self._fetches)
-                silent_s = time.monotonic() - self._last_progress
-                if in_flight and silent_s >= timeout:
-                    pid = self._channel.pid
-                    forced = "abandoned the device thread" if pid is None else f"killed device process {pid}"
-                    self._state = RuntimeState.HUNG  # set first: the EOF the kill causes must not say LOST
-                    self._down_reason = (
-                        f"no program completed for {silent_s:.1f} s with {in_flight} in flight "
-                        f"(device_timeout_s={timeout:g}); {forced}"
-                    )
-                    break
-                sleep_s = timeout - silent_s if in_flight else timeout
-            # Hazard: a lost wake-up. Never sleeps on _state_cv: its notify() wakes one waiter, and a
-            # wake-up the watchdog took would leave an enqueue blocked beside a free slot.
-            if self._down.wait(sleep_s):
-                return
+    def _on_hung(self) -> None:
+        """Watchdog thread, the device declared hung: force it down (a process is killed, a thread
+        abandoned) and release every waiter with DeviceHungError, like any lost device."""
         self._channel.kill()
-        self._device_gone(self._down_reason)
+        self._device_gone(self._flight.reason)
 
     def _device_gone(self, reason: str) -> None:
         """Stop accepting work and release every waiter with DeviceLostError (idempotent)."""
         with self._state_cv:
-            if self._state is RuntimeState.RUNNING:
-                self._state, self._down_reason = RuntimeState.LOST, reason
+            self._flight.go_down_locked(RuntimeState.LOST, reason)
             for finished in self._unfinished.values():
                 finished.set()
             self._unfinished.clear()
             self._pushed.clear()
             fetches, self._fetches = self._fetches, {}
-            errors = [(reply, self._down_error()) for reply in fetches.values()]  # one instance per waiter
-            self._state_cv.notify_all()
-        self._down.set()
+            errors = [(reply, self._flight.down_error_locked()) for reply in fetches.values()]  # one per waiter
+        self._flight.mark_down()
         for reply, error in errors:
             reply.set_exception(error)

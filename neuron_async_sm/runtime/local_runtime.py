@@ -23,10 +23,10 @@ from tqdm import tqdm
 from .api import DeviceFuture, DeviceRuntime, Program, ProgramFactory, RuntimeStats, TensorSpec, WarmupCall
 from .config import RuntimeConfig
 from .device_loop import FailedValue
-from .errors import DeviceLostError, DeviceProgramError, DeviceStartupError
+from .errors import DeviceProgramError, DeviceStartupError
 from .host_future import HostFuture
-from .host_runtime import RuntimeState
-from .stats import StatsRecorder, graph_compilations
+from .in_flight import InFlight, RuntimeState
+from .stats import StatsRecorder
 
 logger = logging.getLogger("neuron_async_sm")
 
@@ -56,8 +56,8 @@ class DeviceOps(ABC):
         """Blocking copy of an output (finished or still running; ``token`` from its launch) to the host."""
 
     def compilations(self) -> int:
-        """Programs compiled so far in this process (a counter): here torch.compile's graphs."""
-        return graph_compilations()
+        """Programs compiled so far in this process (a counter; 0 where nothing compiles)."""
+        return 0
 
     def close(self) -> None:
         """Stop helper threads (idempotent). Work already on the device finishes on its own."""
@@ -100,9 +100,14 @@ class LocalRuntime(DeviceRuntime):
     """``DeviceRuntime`` over a device this process drives directly (see ``DeviceOps``).
 
     Locks, in this order: ``_launch_lock`` → ``_state_cv``. ``_launch_lock`` makes enqueue order the
-    device's order (a program is issued whole before the next one starts). ``_state_cv`` guards the
-    lifecycle, the slot count and the completion events; completion callbacks (device threads) take
-    only it, and never wait while holding it.
+    device's order (a program is issued whole before the next one starts). ``_state_cv`` (the
+    ``InFlight``'s lock) guards the lifecycle, the slot count and the completion events; completion
+    callbacks (device threads) take only it, and never wait while holding it.
+
+    Nothing waits forever: unless ``device_timeout_s`` is 0, the watchdog (``InFlight``) declares the
+    device hung when a program is in flight and nothing completed for that long; every waiter then
+    gets ``DeviceHungError``. A thread stuck inside a program that never returns (a synchronous device)
+    cannot be freed; it is left to the device, and everything else goes on failing fast.
     """
 
     def __init__(
@@ -122,10 +127,9 @@ class LocalRuntime(DeviceRuntime):
         # Device memory: future id -> output tensor, or the failure that took its place. Entries go on
         # release; dict.pop needs no lock, so a GC'd future's __del__ can free its entry from any thread.
         self._memory: dict[int, _Stored | FailedValue] = {}
-        self._state_cv = threading.Condition()
-        self._state = RuntimeState.RUNNING  # (state)
-        self._down_reason = ""  # (state)
-        self._slots_in_use = 0  # (state) unfinished programs, at most queue_depth
+        # Lifecycle, queue slots and the watchdog (in_flight.py); its cv is this runtime's state lock.
+        self._flight = InFlight(config.queue_depth, config.device_timeout_s, lambda: len(self._unfinished))
+        self._state_cv = self._flight.cv
         self._unfinished: dict[int, threading.Event] = {}  # (state) seq -> set when its output exists
         self._launched_at: dict[int, float] = {}  # (state) seq -> when launch returned
         self._last_done = time.perf_counter()  # (state) when the device last finished a program
@@ -133,6 +137,8 @@ class LocalRuntime(DeviceRuntime):
         self._compilations_base = ops.compilations()
         self.warmup_report: tuple[WarmupRecord, ...] = self._warm_up(warmup)
         self.reset_stats()  # stats, the compilation count included, start after warm-up
+        # After warm-up: compiling a program blocks its launch for seconds, which is not a hang.
+        self._flight.start_watchdog(self._forced_when_hung, self._on_hung)
 
     # ---- public API ------------------------------------------------------------------------------
 
@@ -143,6 +149,11 @@ class LocalRuntime(DeviceRuntime):
     @property
     def compiles_per_shape(self) -> bool:
         return self._ops.compiles
+
+    @property
+    def down_reason(self) -> str | None:
+        """Why the runtime stopped accepting work (closed, lost, hung); None while it runs."""
+        return self._flight.down_reason
 
     @property
     def device(self) -> torch.device:
@@ -156,24 +167,31 @@ class LocalRuntime(DeviceRuntime):
         if program not in self._programs:
             raise ValueError(f"unknown program {program!r}; this device has {sorted(self._programs)}")
         host_inputs = {name: self._copy_input(name, value) for name, value in inputs.items()}
-        self._acquire_slot()
+        self._flight.acquire_slot()
         finished = threading.Event()
+        seq: int | None = None
         try:
             with self._launch_lock:
                 for name, value in inputs.items():
                     # Hazard: freed in-flight input. Checked under the launch lock, which release() holds.
                     if isinstance(value, HostFuture) and value.released:
                         raise ValueError(f"input {name!r}: {value!r} was released")
-                with self._state_cv:
-                    self._raise_if_down()
                 seq = self._next_seq
+                with self._state_cv:
+                    self._flight.raise_if_down_locked()
+                    # In flight from here, before it is issued: a program that hangs while being
+                    # issued (a synchronous device) is work the watchdog sees.
+                    self._flight.work_arrives_locked()
+                    self._unfinished[seq] = finished
                 self._next_seq += 1
                 spec, token, launched = self._launch(seq, program, inputs, host_inputs, out)
                 with self._state_cv:
-                    self._unfinished[seq] = finished
                     self._launched_at[seq] = time.perf_counter()
         except BaseException:
-            self._return_slot()
+            with self._state_cv:
+                if seq is not None:
+                    self._unfinished.pop(seq, None)
+                self._flight.free_slot_locked()
             raise
         for value in host_inputs.values():
             if value is not None:
@@ -193,12 +211,9 @@ class LocalRuntime(DeviceRuntime):
 
     def close(self) -> None:
         with self._state_cv:
-            if self._state is RuntimeState.RUNNING:
-                self._state, self._down_reason = RuntimeState.CLOSED, "the runtime was closed"
-            for finished in self._unfinished.values():
-                finished.set()  # waiters wake up and find the runtime closed
-            self._unfinished.clear()
-            self._state_cv.notify_all()  # blocked enqueues wake up and raise
+            self._flight.go_down_locked(RuntimeState.CLOSED, "the runtime was closed")  # blocked enqueues raise
+        self._release_waiters()
+        self._flight.join_watchdog(0.5)
         self._ops.close()
         self._memory.clear()
 
@@ -206,18 +221,25 @@ class LocalRuntime(DeviceRuntime):
 
     def fetch(self, future_id: int) -> torch.Tensor:
         with self._state_cv:
-            self._raise_if_down()
+            self._flight.raise_if_down_locked()
+            finished = self._unfinished.get(future_id)
+        if finished is not None:
+            # Set when the program finished, on close, or by the watchdog (a hung device): bounded by
+            # device_timeout_s (0: unbounded). The copy below then never waits on a hung device.
+            finished.wait()
+            with self._state_cv:
+                self._flight.raise_if_down_locked()
         value = self._memory.get(future_id)
         if value is None:
             raise DeviceProgramError(f"future #{future_id} is not in device memory (released?)")
         if isinstance(value, FailedValue):
             raise DeviceProgramError(value.message)
         try:
-            host = self._ops.to_host(value.value, value.token)  # blocks until the program ran
+            host = self._ops.to_host(value.value, value.token)  # the program ran: a copy, no wait on the device
         except Exception as exc:
             raise DeviceProgramError(f"program #{future_id} failed on the device: {type(exc).__name__}: {exc}") from exc
         with self._state_cv:
-            self._raise_if_down()  # closed while we waited: the value is no longer the device's to give
+            self._flight.raise_if_down_locked()  # closed meanwhile: the value is no longer the device's to give
         self._stats.host_transfer(host.nbytes)
         return host
 
@@ -304,30 +326,29 @@ class LocalRuntime(DeviceRuntime):
             idle = max(0.0, launched - self._last_done)
             device_time = now - max(launched, self._last_done)
             self._last_done = now
+            self._flight.progress_locked()
             finished = self._unfinished.pop(seq, None)
             if finished is not None:
                 finished.set()  # before the slot is freed: whoever takes the slot sees this program done
-            self._slots_in_use -= 1
-            self._state_cv.notify()
+            self._flight.free_slot_locked()
         self._stats.program_done(device_time, error is not None, len(self._memory), idle)
 
-    def _acquire_slot(self) -> None:
-        with self._state_cv:
-            # Bounded in-flight queue: block (never drop) until a program finishes; close() wakes us.
-            while self._state is RuntimeState.RUNNING and self._slots_in_use >= self._config.queue_depth:
-                self._state_cv.wait()
-            self._raise_if_down()
-            self._slots_in_use += 1
+    def _forced_when_hung(self) -> str:
+        """What the watchdog does to a hung device (under the state lock): a device this process drives
+        cannot be killed; its waiters are released and what it still runs is left to it."""
+        return "abandoned the device (its waiters were released; a program still running is left to it)"
 
-    def _return_slot(self) -> None:
-        with self._state_cv:
-            self._slots_in_use -= 1
-            self._state_cv.notify()
+    def _on_hung(self) -> None:
+        """Watchdog thread, the device declared hung: every waiter gets DeviceHungError."""
+        self._release_waiters()
 
-    def _raise_if_down(self) -> None:
-        """Caller holds ``_state_cv``."""
-        if self._state is not RuntimeState.RUNNING:
-            raise DeviceLostError(f"device runtime is {self._state.value}: {self._down_reason}")
+    def _release_waiters(self) -> None:
+        """The runtime is down: waiters on unfinished programs wake up and find it down."""
+        with self._state_cv:
+            for finished in self._unfinished.values():
+                finished.set()
+            self._unfinished.clear()
+        self._flight.mark_down()
 
     def _warm_up(self, calls: Sequence[WarmupCall]) -> tuple[WarmupRecord, ...]:
         """Run every warm-up call once, in order, logging what each cost; a failure fails start-up."""
