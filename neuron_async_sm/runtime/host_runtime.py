@@ -309,7 +309,9 @@ class HostRuntime(DeviceRuntime):
             self._device_gone(reason)
 
     def _on_program_done(self, message: ProgramDone) -> None:
-        self._stats.program_done(message.device_time_s, message.error is not None, message.live_futures, message.idle_s)
+        self._stats.program_done(
+            message.device_time_s, message.error is not None, message.live_futures, message.idle_s, message.compilations
+        )
         with self._state_cv:
             self._flight.progress_locked()
             if message.seq in self._pushed:  # else: not pushed, or already released

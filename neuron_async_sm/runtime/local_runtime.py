@@ -26,7 +26,7 @@ from .device_loop import FailedValue
 from .errors import DeviceProgramError, DeviceStartupError
 from .host_future import HostFuture
 from .in_flight import InFlight, RuntimeState
-from .stats import StatsRecorder
+from .stats import StatsRecorder, graph_compilations
 
 logger = logging.getLogger("neuron_async_sm")
 
@@ -56,8 +56,8 @@ class DeviceOps(ABC):
         """Blocking copy of an output (finished or still running; ``token`` from its launch) to the host."""
 
     def compilations(self) -> int:
-        """Programs compiled so far in this process (a counter; 0 where nothing compiles)."""
-        return 0
+        """Programs compiled so far in this process (a counter): here torch.compile's graphs."""
+        return graph_compilations()
 
     def close(self) -> None:
         """Stop helper threads (idempotent). Work already on the device finishes on its own."""
