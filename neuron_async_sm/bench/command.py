@@ -25,6 +25,9 @@ from neuron_async_sm.bench.runner import Progress, batch_config, compare_modes, 
 from neuron_async_sm.bench.serve_command import add_serve_bench_parser
 from neuron_async_sm.bench.workloads import DEFAULT_NUM_REQUESTS, WORKLOADS, build_workload
 from neuron_async_sm.model.config import load_model_config
+from neuron_async_sm.runtime.config import DeviceKind
+
+DEVICES = tuple(kind.value for kind in DeviceKind)
 
 COMPARE_FIELDS = (
     ("tokens/s", "tokens_per_s", "{:.0f}"),
@@ -71,6 +74,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repetitions", type=int, default=5, help="recorded runs per mode (alternating)")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded runs per mode first")
     p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--device", default="cpu", choices=DEVICES,
+                   help="backend of the sync/async comparison (xla: run from the XLA venv, .ci/xla-env)")  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: steady N requests, others 8")
     p.add_argument("--device-time-ms", type=float, default=0.0, help="hold each program this long (0: real compute)")
     p.add_argument("--device-threads", type=int, default=1, help="torch threads inside the device process")
@@ -177,8 +182,10 @@ def _compare_section(args: argparse.Namespace, show: bool) -> dict:
     vocab_size = load_model_config(args.model).vocab_size  # prompts must fit the model's vocabulary
     workload = build_workload(args.workload, num_requests=num_requests, output_tokens=args.output_tokens,
                               seed=args.seed, vocab_size=vocab_size)  # fmt: skip
-    config = {**batch_config(max_num_seqs), "device_time_ms": args.device_time_ms,
-              "device_threads": args.device_threads, "device_cpu": args.device_cpu, "seed": args.seed,
+    emulated = args.device == "cpu"  # the device process: pinning and its torch threads apply
+    config = {**batch_config(max_num_seqs), "device": args.device, "device_time_ms": args.device_time_ms,
+              "device_threads": args.device_threads if emulated else 1,
+              "device_cpu": args.device_cpu if emulated else None, "seed": args.seed,
               "async_relay": args.async_relay}  # fmt: skip
     advance, close = _progress_bar(show, 2 * (args.warmup + args.repetitions), f"bench {args.workload}")
     try:
@@ -195,6 +202,7 @@ def _compare_section(args: argparse.Namespace, show: bool) -> dict:
 def _print_compare(section: dict) -> None:
     config, reps = section["config"], section["sync"]["repetitions"]
     print(f"\n{section['workload']}: {section['num_requests']} requests, {section['model']}, "
+          f"--device {config['device']}, "
           f"device_time_ms={config['device_time_ms']}, medians of {reps} runs per mode")  # fmt: skip
     print(f"{'':20s} {'sync':>10s} {'async':>10s}")
     for label, key, fmt in COMPARE_FIELDS:

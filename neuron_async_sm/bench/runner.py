@@ -117,7 +117,7 @@ class ProbedLLM:
         gc.collect()
         probe.reset()
         load = load_average()
-        other = OtherLoad([llm.engine.runtime.device_pid])  # type: ignore[attr-defined]
+        other = OtherLoad([getattr(llm.engine.runtime, "device_pid", None)])  # None: the device is this process
 
         def arrived(turn: Turn) -> None:
             if turn.rejected:
