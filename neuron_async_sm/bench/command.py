@@ -163,6 +163,10 @@ def run_bench(args: argparse.Namespace) -> int:
                                                          max_other_cpu=args.max_other_cpu)  # fmt: skip
         close()
         _print_peer(report["vs_transformers"])
+        cb = peer.vs_transformers_continuous(engine_options=engine, repetitions=args.repetitions)
+        report["vs_transformers_continuous"] = cb
+        ours = cb["tokens_per_s"]["ours"]
+        print(f"mixed vs transformers' continuous batching: ours {ours:.0f} tok/s, ratio {cb['ratio']:.2f}")
     report["machine"]["load_avg_end"] = load_average()
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,11 @@ tokens (our `ignore_eos`; theirs with `eos_token_id` unset). Runs alternate (our
 thread count) and medians are reported. transformers runs in this process, once per torch intra-op
 thread count (1, and torch's default: all cores); the ratio is taken against its best. Our engine
 runs as configured by default: the device process computes on one thread while the host schedules.
+
+A second peer is transformers' own continuous batching (`ContinuousBatchingManager`, what
+`generate_batch` drives) on the `mixed` workload (48 requests, prompts 8-320 tokens, outputs 16-192):
+every request is submitted at once on both sides (mixed's arrival turns have no meaning in theirs),
+greedy, each request its own max_new_tokens; tokens/s is total output tokens over wall time.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import torch
 
 from neuron_async_sm.bench.checkpoint import write_checkpoint
 from neuron_async_sm.bench.runner import OtherLoad, Progress, batch_config, load_average
-from neuron_async_sm.engine.llm import LLM
+from neuron_async_sm.bench.workloads import build_workload
+from neuron_async_sm.engine.llm import LLM, PromptRequest
 from neuron_async_sm.model import TINY_LLAMA_CONFIG
 from neuron_async_sm.sampling_params import SamplingParams
 
@@ -123,4 +129,100 @@ def vs_transformers(
         "transformers_version": transformers.__version__,
         "transformers_threads": list(threads),
         "rows": rows,
+    }
+
+
+def _mixed_requests(max_model_len: int) -> list[tuple[list[int], int]]:
+    """The `mixed` workload's (prompt, output length) pairs; sampled or not there, greedy here."""
+    workload = build_workload("mixed", max_model_len=max_model_len)
+    return [(list(r.prompt_token_ids), r.sampling_params.max_tokens) for r in workload.requests]
+
+
+def _ours_mixed(llm: LLM, requests: list[tuple[list[int], int]]) -> tuple[float, list[list[int]]]:
+    batch = [
+        PromptRequest(p, SamplingParams(max_tokens=n, ignore_eos=True), f"m{i}") for i, (p, n) in enumerate(requests)
+    ]
+    started = time.perf_counter()
+    outputs = llm.generate(batch)
+    return time.perf_counter() - started, [o.output_token_ids for o in outputs]
+
+
+def _theirs_mixed(manager: object, requests: list[tuple[list[int], int]], tag: str) -> tuple[float, list[list[int]]]:
+    started = time.perf_counter()
+    ids = [
+        manager.add_request(p, request_id=f"{tag}-{i}", max_new_tokens=n)  # type: ignore[attr-defined]
+        for i, (p, n) in enumerate(requests)
+    ]
+    results = {}
+    while len(results) < len(ids):
+        out = manager.get_result(timeout=600)  # type: ignore[attr-defined]
+        if out is None:
+            raise RuntimeError("transformers continuous batching returned no result within 600 s")
+        results[out.request_id] = list(out.generated_tokens)
+    return time.perf_counter() - started, [results[i] for i in ids]
+
+
+def vs_transformers_continuous(
+    *,
+    repetitions: int = 3,
+    thread_counts: tuple[int, ...] | None = None,
+    max_num_seqs: int = 16,
+    checkpoint_dir: str | None = None,
+    progress: Progress | None = None,
+    engine_options: dict | None = None,
+) -> dict:
+    """Our async engine against transformers' continuous batching on `mixed`; alternating runs, medians."""
+    try:
+        import transformers
+        from transformers import GenerationConfig
+    except ImportError as exc:
+        raise RuntimeError("--vs-transformers needs transformers (pip install -e '.[dev]')") from exc
+    threads = thread_counts or tuple(sorted({1, torch.get_num_threads()}))
+    max_model_len = 512
+    requests = _mixed_requests(max_model_len)
+    output_tokens = sum(n for _, n in requests)
+    times: dict[str, list[float]] = {"ours": [], **{f"transformers_cb_{n}t": [] for n in threads}}
+    agreement = 1.0
+    previous = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="neuron-async-sm-tiny-") as tmp:
+        path = write_checkpoint(Path(checkpoint_dir or tmp) / "tiny-llama-hf")
+        theirs = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        theirs = theirs.eval()
+        generation = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=192)
+        config = {**batch_config(max_num_seqs), **(engine_options or {})}
+        manager = theirs.init_continuous_batching(generation_config=generation)
+        manager.start()
+        try:
+            with LLM(str(path), max_model_len=max_model_len, **config) as ours:  # type: ignore[arg-type]
+                _ours_mixed(ours, requests[:4])  # warm-up, both
+                _theirs_mixed(manager, requests[:4], "warm")
+                for rep in range(repetitions):
+                    elapsed, our_tokens = _ours_mixed(ours, requests)
+                    times["ours"].append(elapsed)
+                    for n in threads:
+                        torch.set_num_threads(n)
+                        time.sleep(0.2)  # let the previous run's spinning OpenMP workers go to sleep
+                        elapsed, their_tokens = _theirs_mixed(manager, requests, f"r{rep}t{n}")
+                        torch.set_num_threads(previous)
+                        times[f"transformers_cb_{n}t"].append(elapsed)
+                        agreement = min(agreement, _agreement(our_tokens, their_tokens))
+                    if progress is not None:
+                        progress(f"mixed, repetition {rep + 1}: ours {output_tokens / times['ours'][-1]:.0f} tok/s")
+        finally:
+            torch.set_num_threads(previous)
+            manager.stop(block=True, timeout=30)
+    row: dict = {name: output_tokens / statistics.median(samples) for name, samples in times.items()}
+    best = max(row[f"transformers_cb_{n}t"] for n in threads)
+    return {
+        "workload": "mixed (every request at once, greedy)",
+        "num_requests": len(requests),
+        "output_tokens": output_tokens,
+        "transformers_version": transformers.__version__,
+        "transformers_threads": list(threads),
+        "engine": config,
+        "tokens_per_s": row,
+        "seconds": times,
+        "ratio": row["ours"] / best,
+        "token_agreement": agreement,
+        "load_avg": load_average()[0],
     }
