@@ -19,7 +19,7 @@ import pytest
 from support.faulty_runtime import faulty_runtime
 from support.workloads import drive, random_workload
 from tlc import PARALLEL_RUNS
-from trace_check import POISON_TOKEN, TraceVerdict, check_trace, engine_threads, read_trace
+from trace_check import POISON_TOKEN, TraceVerdict, check_trace, engine_threads, logged_events, read_trace
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.worker import async_machine as sm
@@ -118,11 +118,11 @@ def test_a_relay_whose_row_map_is_corrupted_is_rejected_at_that_step(recorded):
     assert verdict.rejected_event == wrong[i], verdict.describe()
 
 
-def _host_input(events: list[dict], *, decode_only: bool = True) -> tuple[int, int]:
-    """(event index, row) of the first CPU-built decode input of a reinstate after its request's
-    token was materialized: the row the corrupted traces below change."""
+def _host_input(events: list[dict], *, start: int = 0) -> tuple[int, int]:
+    """(event index, row) of the first CPU-built decode input of a reinstate (from index `start`) after
+    its request's token was materialized: the row the corrupted traces below change."""
     for i, e in enumerate(events):
-        if e["event"] == "reinstate":
+        if i >= start and e["event"] == "reinstate":
             for k, row in enumerate(e["inputs"]):
                 if row[0] == "host" and row[1] != POISON_TOKEN:
                     return i, k
@@ -142,6 +142,24 @@ def test_a_trace_whose_input_is_another_requests_token_fails_token_ownership(rec
     print(verdict.describe())
     assert verdict.violated_invariant == "TokenOwnershipInv", verdict.describe()
     assert verdict.rejected_event == wrong[i], verdict.describe()
+
+
+def test_a_trace_checked_in_parts_gets_the_same_verdicts(recorded):
+    """A long trace is checked in parts, each TLC run starting from the states the previous one ended
+    in, with the history no action reads again left out. The parts accept the whole trace, and a
+    corrupted input in the last part fails its invariant at that event, numbered in the whole trace."""
+    events, _ = recorded[SEEDS[0], False]
+    part = len(logged_events(events)) // 3 + 1
+    verdict = check_trace(events, part_events=part)
+    print(f"in parts of {part} events: {verdict.describe()}")
+    assert verdict.accepted and verdict.parts == 3, verdict.describe()
+    i, k = _host_input(events, start=2 * len(events) // 3 + 1)
+    wrong = [dict(e) for e in events]
+    wrong[i]["inputs"] = [list(row) for row in events[i]["inputs"]]
+    wrong[i]["inputs"][k][1] = POISON_TOKEN
+    verdict = check_trace(wrong, part_events=part)
+    assert verdict.violated_invariant == "NoStaleInputInv", verdict.describe()
+    assert verdict.rejected_event == wrong[i] and verdict.parts == 3, verdict.describe()
 
 
 def test_a_trace_with_a_stale_input_fails_no_stale_input(recorded):
@@ -248,3 +266,61 @@ def test_trace_of_an_engine_without_the_get_output_lock_is_rejected(tlc_availabl
     matched = verdict.events[: verdict.matched]
     earlier = [e for e in matched if e["event"] == "Materialize" and e["step"] == rejected["step"]]
     assert earlier, f"event {verdict.matched} is not a second materialization: {json.dumps(rejected)}"
+
+
+HYPOTHESIS_EXAMPLES = 50  # per CI run: the stateful engine test's own machine, every engine traced
+HYPOTHESIS_STEPS = 10  # rules per example (~55 trace events each): 50 x 40 steps made an 11,000-event trace
+
+
+def test_traces_of_hypothesis_stateful_examples_are_behaviours_of_the_spec(tlc_available, tmp_path):
+    """tests/test_stateful_engine.py's state machine (the real engine on the device process, relay on)
+    run here for 50 examples, every engine writing its trace: each trace is validated. Its examples
+    share one engine while it lives, so a trace holds many examples (thousands of events, checked in
+    parts). The fault rules are off here: a death only starts a new engine and trace, which the
+    failing-program test above covers, and an exploding write-back is not something the spec models."""
+    import test_stateful_engine as stateful
+    from hypothesis import HealthCheck, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    class TracedEngine(stateful.EngineOnDeviceProcess):
+        FAULT_PERCENT = 0
+
+    for device in list(stateful._ENGINES):  # an engine of tests/ (same session) writes no trace
+        stateful._discard_engine(device)
+    examples = stateful.COVERAGE["examples"]
+    stateful.TRACE_DIR = str(tmp_path)
+    try:
+        run_state_machine_as_test(
+            TracedEngine,
+            settings=settings(max_examples=HYPOTHESIS_EXAMPLES, stateful_step_count=HYPOTHESIS_STEPS, derandomize=True,
+                              database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow]),
+        )  # fmt: skip
+    finally:
+        stateful.TRACE_DIR = None
+        for device in list(stateful._ENGINES):
+            stateful._discard_engine(device)
+    assert stateful.COVERAGE["examples"] - examples >= HYPOTHESIS_EXAMPLES
+    traces = sorted(tmp_path.glob("*.ndjson"))
+    assert traces, "no engine wrote a trace"
+    with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
+        verdicts = list(pool.map(lambda path: check_trace(read_trace(path), timeout_s=600), traces))
+    for path, verdict in zip(traces, verdicts, strict=True):
+        print(f"{path.name}: {verdict.describe()}")
+        assert verdict.accepted, f"{path.name}: {verdict.describe()}"
+
+
+def test_trace_of_a_churn_benchmark_run_is_a_behaviour_of_the_spec(tlc_available, tmp_path):
+    """One run of the benchmark's churn workload (64 requests, joins and finishes almost every step), on
+    the benchmark's own runner and engine settings (`bench --workload churn`), traced and validated."""
+    from neuron_async_sm.bench.runner import ProbedLLM, batch_config
+    from neuron_async_sm.bench.workloads import build_workload
+
+    path = tmp_path / "churn.ndjson"
+    bench = ProbedLLM("tiny-llama", async_scheduling=True, trace_path=str(path), **batch_config(8))
+    try:
+        bench.run(build_workload("churn"))
+    finally:
+        bench.close()
+    verdict = check_trace(read_trace(path))
+    print(f"churn: {verdict.describe()}")
+    assert verdict.accepted, verdict.describe()

@@ -21,6 +21,7 @@ from tlc import SPEC_DIR, TlcResult, run_tlc, tla
 TRACE_MODULE = "TraceAsyncScheduling"
 SPEC_MODULES = ("AsyncScheduling.tla", "TraceAsyncScheduling.tla", "TraceAsyncScheduling.cfg")
 LOGGED_EVENTS = ("step", "reinstate", "drain", "Materialize", "AdvanceStep", "Abort")
+SPEC_INVARIANTS = ("TypeOK", "ExactlyOnceMaterializationInv", "TokenOwnershipInv", "NoStaleInputInv", "CounterInv")
 POISON_TOKEN = -1  # neuron_async_sm.worker.input_batch.POISON_TOKEN: a token the host does not have yet
 _MATCHED = re.compile(r'<<"matched", (\d+), (\d+)>>')
 _CURSOR = re.compile(r"^/\\ l = (\d+)$", re.M)
@@ -32,7 +33,10 @@ class TraceVerdict:
 
     events: list[dict]  # the logged events the spec follows, as recorded (without the header)
     matched: int  # events matched, in order, from the start
-    tlc: TlcResult
+    tlc: TlcResult  # the last TLC run (elapsed_s: all runs together)
+    offset: int = 0  # index of the first event of that run's part
+    distinct_states: int = 0  # over every part
+    parts: int = 1  # TLC runs
 
     @property
     def accepted(self) -> bool:
@@ -40,8 +44,14 @@ class TraceVerdict:
 
     @property
     def violated_invariant(self) -> str | None:
-        """The invariant the real run broke (TLC exit 12), or None."""
-        return self.tlc.violated_invariant
+        """The spec's invariant the real run broke (TLC exit 12), or None. The trace module checks each
+        one where the last event can have changed something (`RecentX`) and whole past the last event
+        (`PastX`): both stand for the spec's `X`."""
+        name = self.tlc.violated_invariant
+        for part in ("Recent", "Past"):
+            if name is not None and name.startswith(part) and name[len(part) :] in SPEC_INVARIANTS:
+                return name[len(part) :]
+        return name
 
     @property
     def violating_index(self) -> int | None:
@@ -49,7 +59,7 @@ class TraceVerdict:
         if self.violated_invariant is None:
             return None
         cursors = [int(m.group(1)) for m in _CURSOR.finditer(self.tlc.output)]
-        return cursors[-1] - 2 if cursors else None
+        return self.offset + cursors[-1] - 2 if cursors else None
 
     @property
     def rejected_event(self) -> dict | None:
@@ -61,7 +71,8 @@ class TraceVerdict:
 
     def describe(self) -> str:
         if self.accepted:
-            return f"accepted: {self.matched}/{len(self.events)} events in {self.tlc.elapsed_s:.1f}s"
+            return (f"accepted: {self.matched}/{len(self.events)} events in {self.tlc.elapsed_s:.1f}s "
+                    f"({self.parts} TLC run(s), {self.distinct_states} distinct states)")  # fmt: skip
         if self.violated_invariant is not None:
             return (f"rejected: {self.violated_invariant} fails after event {self.violating_index} of "
                     f"{len(self.events)} (0-based): {json.dumps(self.rejected_event)}")  # fmt: skip
@@ -130,7 +141,7 @@ def trace_records(events: Iterable[dict], threads: tuple[str, str] = ("MainThrea
     raw_ids: dict[int, list[str]] = {}  # step -> its rows, by id
     records = []
     for e in events:
-        if e["thread"] not in threads:
+        if e["thread"] not in threads and e["event"] != "Abort":  # a client aborts between two steps
             raise ValueError(f"thread {e['thread']!r} is not the header's engine or output thread (seq {e.get('seq')})")
         kind = e["event"]
         materialize = kind == "Materialize"
@@ -192,48 +203,89 @@ def sampled_values(events: list[dict], records: list[dict]) -> tuple[dict[str, i
     return prompt_lens, values
 
 
-def trace_log_module(events: list[dict]) -> str:
-    """`TraceLog.tla`: the trace and the engine constants it ran with (its `config` header).
+PART_EVENTS = 250  # events per TLC run: a longer trace is checked in parts, each from its predecessor's end
+DEPTH = 2  # the spec's Depth: a part keeps the last Depth + 1 steps, and any older step still in flight
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A trace as the spec sees it: its logged events as records, and the facts every part shares."""
+
+    config: dict
+    threads: tuple[str, str]
+    events: list[dict]  # logged_events(), as recorded
+    records: list[dict]  # trace_records(), one per event
+    limits: dict[str, int]  # request name -> max_tokens
+    prompt_lens: dict[str, int]
+    values: dict[str, list[int]]  # request name -> token values by output index
+
+    @classmethod
+    def of(cls, raw: list[dict]) -> Trace:
+        config, threads = trace_config(raw), engine_threads(raw)
+        events = logged_events(raw)
+        records = trace_records(events, threads)
+        prompt_lens, values = sampled_values(events, records)
+        limits: dict[str, int] = {}
+        for r in records:
+            limits.update(zip(r["new"], r["max_tokens"], strict=True))
+        return cls(config, threads, events, records, limits, prompt_lens, values)
+
+
+def trace_log_module(
+    trace: Trace,
+    start: int = 0,
+    stop: int | None = None,
+    *,
+    carried: Iterable[str] = (),
+    start_states: list[str] | None = None,
+    offsets: tuple[int, int, int] = (0, 0, 0),
+) -> str:
+    """`TraceLog.tla` for the events `start:stop` of a trace and the engine constants it ran with.
 
     Requests are listed in admission order (the step events' `new`), which is their arrival order:
     the scheduler admits FIFO. A request the trace never admits (aborted while waiting) is invisible
-    and left out. Each request's output limit comes with its admission (`max_tokens`).
+    and left out. Each request's output limit comes with its admission (`max_tokens`). A part after
+    the first starts from `start_states` (TLA+ records of every variable, from the previous part's
+    end, see `compact`), knows only the requests `carried` over and those it admits, and numbers
+    steps and counters from `offsets` (steps, async and sync steps left out before it).
     """
-    config = trace_config(events)
-    threads = engine_threads(events)
-    events = logged_events(events)
-    records = trace_records(events, threads)
-    prompt_lens, values = sampled_values(events, records)
-    order: list[str] = []
-    limits: dict[str, int] = {}
+    stop = len(trace.records) if stop is None else stop
+    config, threads = trace.config, trace.threads
+    steps_off, async_off, sync_off = offsets
+    records = []
+    for r in trace.records[start:stop]:
+        r = dict(r, step=r["step"] - steps_off if r["step"] >= 0 else r["step"])
+        if r["event"] == "reinstate":
+            r["counters"] = [r["counters"][0] - async_off, r["counters"][1] - sync_off]
+        records.append(r)
+    order = list(carried)
     admitted_at: dict[str, int] = {}  # request -> index of the step event admitting it
     next_step = [0] * (len(records) + 2)  # index -> index of the first step event at or after it
     for i, r in enumerate(records, start=1):
         if r["event"] == "step":
             order += r["new"]
-            limits.update(zip(r["new"], r["max_tokens"], strict=True))
             admitted_at.update((req_id, i) for req_id in r["new"])
     following = 0
     for i in range(len(records), 0, -1):
         following = i if records[i - 1]["event"] == "step" else following
         next_step[i] = following
     chunks = config["max_model_len"]  # a bound only (a chunk has a token at least): the trace says when
-    fn = "[r \\in {" + ", ".join(tla(r) for r in order) + "} |-> CASE " if order else None
 
     def function(values: Mapping[str, object], default: object = 0) -> str:
+        """A function on the part's requests, built by TLC as a table (`:>`, `@@`), not re-evaluated."""
         if not order:
             return "<<>>"
-        return fn + " [] ".join(f"r = {tla(r)} -> {tla(values.get(r, default))}" for r in order) + "]"
+        return "(" + " @@ ".join(f"{tla(r)} :> {tla(values.get(r, default))}" for r in order) + ")"
 
     lines = [
         "----------------------------- MODULE TraceLog -----------------------------",
         "\\* Generated by model_check/trace_check.py from an NDJSON trace. Do not edit.",
-        "EXTENDS Integers, Sequences",
+        "EXTENDS Integers, Sequences, TLC",
         f"TraceRequests == {tla(order)}",
         f"TraceReqSet == {{{', '.join(tla(r) for r in order)}}}",
-        f"TraceMaxTokens == {function(limits)}",
-        f"TracePromptLen == {function(prompt_lens)}",
-        f"TraceOut == {function(values, [])}",  # per request: token values by output index
+        f"TraceMaxTokens == {function(trace.limits)}",
+        f"TracePromptLen == {function(trace.prompt_lens)}",
+        f"TraceOut == {function(trace.values, [])}",  # per request: token values by output index
         f"TracePoison == {POISON_TOKEN}",
         f"TraceEngineThread == {tla(threads[0])}",
         f"TraceAdmittedAt == {function(admitted_at)}",
@@ -242,8 +294,10 @@ def trace_log_module(events: list[dict]) -> str:
         f"TraceBuckets == {tla(set(config['decode_buckets']))}",
         f"TraceMaxChunks == {chunks}",
         # Programs may fail only in a trace that shows a failure: an error or a drained engine.
-        f"TraceAllowFailure == {tla(any(r['event'] == 'drain' or not r['ok'] for r in records))}",
+        f"TraceAllowFailure == {tla(any(r['event'] == 'drain' or not r['ok'] for r in trace.records))}",
         f"TraceAsyncRelay == {tla(bool(config.get('async_relay', False)))}",  # traces from before the relay: off
+        f"TracePrintEnd == {tla(stop < len(trace.records))}",  # a part with a successor prints its end states
+        "TraceStart == {" + ",\n  ".join(start_states or []) + "}",
         "TraceEvents == <<",
         ",\n".join("  " + tla(r) for r in records),
         ">>",
@@ -252,20 +306,225 @@ def trace_log_module(events: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_trace(events: list[dict], *, timeout_s: float = 300) -> TraceVerdict:
-    """Replay an async engine's trace against the spec with TLC; report how far it got."""
-    module = trace_log_module(events)
-    with tempfile.TemporaryDirectory(prefix="trace-check-") as scratch:
-        work = Path(scratch)
-        for name in SPEC_MODULES:
-            shutil.copy(SPEC_DIR / name, work / name)
-        (work / "TraceLog.tla").write_text(module)
-        result = run_tlc(TRACE_MODULE, f"{TRACE_MODULE}.cfg", spec_dir=work, extra=("-deadlock",), timeout_s=timeout_s)
-    matched = 0
-    for line in result.printed:
-        if m := _MATCHED.search(line):
-            matched = max(matched, int(m.group(1)))
-    return TraceVerdict(logged_events(events), matched, result)
+# --- TLC's printed values, read back: the states one part ends in, for the next to start from --------
+
+
+class Record(dict):
+    """A TLA+ record as TLC prints it: `[field |-> value, ...]`."""
+
+
+class Function(dict):
+    """A TLA+ function on strings as TLC prints it: `("a" :> 1 @@ "b" :> 2)`."""
+
+
+class TlaSet(list):
+    """A TLA+ set, elements in TLC's order."""
+
+
+_TOKEN = re.compile(r'\s*(<<|>>|\|->|:>|@@|[\[\](){},]|"(?:[^"\\]|\\.)*"|-?\d+|TRUE|FALSE|[A-Za-z_][\w]*)')
+
+
+def parse_value(text: str) -> object:
+    """A value in TLC's output syntax (records, functions, sequences, sets, strings, integers, booleans)."""
+    tokens, pos = [], 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            if text[pos:].strip():
+                raise ValueError(f"cannot read TLC value at {text[pos : pos + 40]!r}")
+            break
+        tokens.append(m.group(1))
+        pos = m.end()
+    at = 0
+
+    def take() -> str:
+        nonlocal at
+        at += 1
+        return tokens[at - 1]
+
+    def items(close: str) -> list:
+        out = []
+        while tokens[at] != close:
+            out.append(value())
+            if tokens[at] == ",":
+                take()
+        take()
+        return out
+
+    def value() -> object:
+        t = take()
+        if t == "<<":
+            return items(">>")
+        if t == "{":
+            return TlaSet(items("}"))
+        if t == "[":
+            rec = Record()
+            while tokens[at] != "]":
+                field = take()
+                assert take() == "|->"
+                rec[field] = value()
+                if tokens[at] == ",":
+                    take()
+            take()
+            return rec
+        if t == "(":
+            fcn = Function()
+            while True:
+                key = value()
+                assert take() == ":>"
+                fcn[key] = value()
+                if take() == ")":
+                    return fcn
+        if t.startswith('"'):
+            return json.loads(t)
+        if t in ("TRUE", "FALSE"):
+            return t == "TRUE"
+        return int(t)
+
+    return value()
+
+
+def emit(value: object) -> str:
+    """`parse_value`'s result as TLA+ again."""
+    if isinstance(value, Record):
+        return "[" + ", ".join(f"{k} |-> {emit(v)}" for k, v in value.items()) + "]"
+    if isinstance(value, Function):
+        return "(" + " @@ ".join(f"{emit(k)} :> {emit(v)}" for k, v in value.items()) + ")" if value else "<<>>"
+    if isinstance(value, TlaSet):
+        return "{" + ", ".join(emit(v) for v in value) + "}"
+    if isinstance(value, list):
+        return "<<" + ", ".join(emit(v) for v in value) + ">>"
+    return tla(value)
+
+
+def end_states(printed: list[str]) -> list[Record]:
+    """The distinct states a part ended in (`<<"end", [...]>>`, printed by TLC over several lines)."""
+    text = "\n".join(printed)
+    states, seen = [], set()
+    for m in re.finditer(r'<<\s*"end",', text):
+        depth, i = 1, m.end()
+        while depth:  # the matching >>, outside strings
+            if text.startswith('"', i):
+                i = text.index('"', i + 1) + 1
+                continue
+            if text.startswith("<<", i):
+                depth, i = depth + 1, i + 2
+            elif text.startswith(">>", i):
+                depth, i = depth - 1, i + 2
+            else:
+                i += 1
+        body = re.sub(r"\s+", " ", text[m.end() : i - 2])
+        if body not in seen:
+            seen.add(body)
+            states.append(parse_value(body))
+    return states
+
+
+def compact(states: list[Record]) -> tuple[list[Record], list[str], tuple[int, int, int]]:
+    """The states with the history no action reads again left out, as a next part starts from them.
+
+    Steps before the oldest one still pending, queued, unrun or among the last Depth + 1 are dropped
+    and the rest renumbered; their paths leave the counters (`numAsync`, `numSync`, the engine's and
+    the counted ones alike), so CounterInv and EngineCountersInv read the same. A finished request
+    that no kept step, row, plan or finished set names is dropped: no action reads it again. Returns
+    the states, the requests kept (arrival order) and (steps, async, sync) left out.
+    """
+    first = states[0]
+    lo = len(first["steps"]) - DEPTH
+    for st in states:
+        held = [st["pending"] or len(st["steps"]) + 1, *st["batchQueue"], *st["outQueue"], st["ran"] + 1]
+        lo = max(1, min(lo, *held))
+    dropped = [st["steps"][: lo - 1] for st in states]
+    paths = [step["path"] for step in dropped[0]]
+    if any([step["path"] for step in d] != paths for d in dropped):
+        raise ValueError("the parts' end states disagree on a step's path")  # the trace pins every path
+    n_async = sum(path in ("Steady", "Relay") for path in paths)
+    offsets = (lo - 1, n_async, len(paths) - n_async)
+
+    def named(st: Record) -> set[str]:
+        names = set(st["rows"]) | set(st["finishedIds"])
+        for step in st["steps"][lo - 1 :]:
+            names |= set(step["rows"])
+        if st["cur"]["path"] != "":
+            names |= set(st["cur"]["curr"]) | set(st["cur"]["order"]) | set(st["cur"]["scheduled"])
+        return names
+
+    keep = [r for r in first["status"] if any(st["status"][r] != "finished" or r in named(st) for st in states)]
+    order = [r for r in first["status"] if r in keep]  # Function keys keep TLC's order: sorted, not arrival
+    out = []
+    for st in states:
+        st = Record(st)
+        st["steps"] = st["steps"][lo - 1 :]
+        st["pending"] = st["pending"] - (lo - 1) if st["pending"] else 0
+        st["batchQueue"] = [s - (lo - 1) for s in st["batchQueue"]]
+        st["outQueue"] = [s - (lo - 1) for s in st["outQueue"]]
+        st["ran"] -= lo - 1
+        st["arrived"] -= len(first["status"]) - len(keep)
+        for name in ("numAsync", "numSync"):
+            st[name] -= offsets[1] if name == "numAsync" else offsets[2]
+        st["engineCounts"] = [st["engineCounts"][0] - offsets[1], st["engineCounts"][1] - offsets[2]]
+        st["pathCounts"] = [st["pathCounts"][0] - offsets[1], st["pathCounts"][1] - offsets[2]]
+        for name in ("status", "phase", "chunks", "placeholders", "delivered", "stopLen", "host"):
+            st[name] = Function((r, st[name][r]) for r in order)
+        out.append(st)
+    return out, order, offsets
+
+
+def arrive(state: Record, names: list[str], limits: Mapping[str, int]) -> Record:
+    """`state` with `names` added as requests that have not arrived (as the spec's Init has them)."""
+    state = Record(state)
+    fresh = {"status": "absent", "phase": "prefill", "chunks": 0, "placeholders": 0, "delivered": [], "host": []}
+    for var, value in [*fresh.items(), ("stopLen", None)]:
+        state[var] = Function(state[var])
+        for name in names:
+            state[var][name] = limits[name] if var == "stopLen" else value
+    return state
+
+
+def check_trace(events: list[dict], *, timeout_s: float = 300, part_events: int = PART_EVENTS) -> TraceVerdict:
+    """Replay an async engine's trace against the spec with TLC; report how far it got.
+
+    A trace longer than `part_events` is checked in parts, one TLC run each, every part from the
+    states its predecessor ended in: each run's state then stays as small as the part, not the
+    trace so far (the time is linear in the trace's length).
+    """
+    trace = Trace.of(events)
+    order_of = {name: i for i, name in enumerate(r for rec in trace.records for r in rec["new"])}
+    start, carried, states, offsets = 0, [], None, (0, 0, 0)
+    elapsed, distinct = 0.0, 0
+    while True:
+        stop = min(len(trace.records), start + part_events)
+        if states is not None:  # the part's own requests have not arrived yet: the spec's Init for them
+            arriving = [name for r in trace.records[start:stop] for name in r["new"]]
+            states = [arrive(st, arriving, trace.limits) for st in states]
+        module = trace_log_module(trace, start, stop, carried=carried, offsets=offsets,
+                                  start_states=None if states is None else [emit(st) for st in states])  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix="trace-check-") as scratch:
+            work = Path(scratch)
+            for name in SPEC_MODULES:
+                shutil.copy(SPEC_DIR / name, work / name)
+            (work / "TraceLog.tla").write_text(module)
+            result = run_tlc(
+                TRACE_MODULE,
+                f"{TRACE_MODULE}.cfg",
+                spec_dir=work,
+                extra=("-deadlock",),
+                timeout_s=timeout_s,
+                short=True,
+            )
+        elapsed += result.elapsed_s
+        distinct += result.distinct_states or 0
+        matched = 0
+        for line in result.printed:
+            if m := _MATCHED.search(line):
+                matched = max(matched, int(m.group(1)))
+        if result.exit_code != 0 or matched < stop - start or stop == len(trace.records):
+            result.elapsed_s = elapsed
+            return TraceVerdict(trace.events, start + matched, result, start, distinct, 1 + start // part_events)
+        states, carried, more = compact(end_states(result.printed))
+        carried = sorted(carried, key=order_of.__getitem__)  # arrival order, as the scheduler admits
+        offsets = tuple(a + b for a, b in zip(offsets, more, strict=True))
+        start = stop
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,20 +15,36 @@
 (*                                                                         *)
 (* TraceLog is generated per trace by model_check/trace_check.py. TLC      *)
 (* prints the furthest cursor it reaches; the trace is accepted when that  *)
-(* is past the last event and no invariant failed.                         *)
+(* is past the last event and no invariant failed. A long trace is checked *)
+(* in parts, each one TLC run from the states the previous part ended in:  *)
+(* each run's state is then as large as its part, and the time is linear   *)
+(* in the trace's length.                                                  *)
 (***************************************************************************)
 EXTENDS AsyncScheduling, TraceLog
 
 VARIABLES
     l,             \* the next trace event to match
-    engineCounts   \* <<async_steps, sync_fallback_steps>> as the engine reported them (reinstate)
+    engineCounts,  \* <<async_steps, sync_fallback_steps>> as the engine reported them (reinstate)
+    pathCounts     \* <<async, sync fallback>>: the paths of the step events matched so far
 
-traceVars == <<vars, l, engineCounts>>
+traceVars == <<vars, l, engineCounts, pathCounts>>
 
 \* Thread identity from the trace's header: the engine loop is the thread it names.
 ThreadOf(name) == IF name = TraceEngineThread THEN "main" ELSE "output"
 
-TraceInit == Init /\ l = 1 /\ engineCounts = <<0, 0>>
+\* A long trace is checked in parts (model_check/trace_check.py): a part after the first starts from
+\* the states its predecessor ended in (TraceStart), with the history no action reads again taken out.
+TraceInit ==
+    \/ /\ TraceStart = {}
+       /\ Init /\ l = 1 /\ engineCounts = <<0, 0>> /\ pathCounts = <<0, 0>>
+    \/ \E st \in TraceStart :
+        /\ arrived = st.arrived /\ status = st.status /\ phase = st.phase /\ chunks = st.chunks
+        /\ placeholders = st.placeholders /\ delivered = st.delivered /\ stopLen = st.stopLen
+        /\ finishedIds = st.finishedIds /\ batchQueue = st.batchQueue /\ mstate = st.mstate /\ rows = st.rows
+        /\ host = st.host /\ pending = st.pending /\ cur = st.cur /\ stateLock = st.stateLock
+        /\ numAsync = st.numAsync /\ numSync = st.numSync /\ steps = st.steps /\ ran = st.ran
+        /\ outQueue = st.outQueue /\ pc = st.pc
+        /\ l = 1 /\ engineCounts = st.engineCounts /\ pathCounts = st.pathCounts
 
 Ev == TraceEvents[l]
 NextIs(names) == l <= Len(TraceEvents) /\ Ev.event \in names
@@ -83,6 +99,8 @@ StepEvent(e) ==
          [] e.state = "Relay" -> Relay
     /\ cur'.curr = e.req_ids
     /\ cur'.admitted = Range(e.new)
+    /\ pathCounts' = IF e.state \in AsyncStates THEN <<pathCounts[1] + 1, pathCounts[2]>>
+                      ELSE <<pathCounts[1], pathCounts[2] + 1>>
     /\ UNCHANGED engineCounts
 
 ReinstateEvent(e) ==
@@ -94,12 +112,13 @@ ReinstateEvent(e) ==
     \* the relay's row map as the engine built it (1-based rows of the previous step, 0: host id)
     /\ e.relay_from = IF cur.path = "Relay" THEN RelayFrom(cur, steps[pending]) ELSE <<>>
     /\ engineCounts' = e.counters
+    /\ UNCHANGED pathCounts
 
 DrainEvent(e) ==
     /\ e.event = "drain"
     /\ MachineEvent(e)
     /\ Drain
-    /\ UNCHANGED engineCounts
+    /\ UNCHANGED <<engineCounts, pathCounts>>
 
 MaterializeEvent(e) ==
     /\ e.event = "Materialize"
@@ -112,20 +131,21 @@ MaterializeEvent(e) ==
        /\ st.ok = e.ok  \* ok = FALSE: the program failed, get_output() raised
        /\ e.count = st.mat + 1
        /\ \A i \in DOMAIN st.rows : e.sampled[i] = (st.outIdx[i] > 0)
-    /\ UNCHANGED engineCounts
+    /\ UNCHANGED <<engineCounts, pathCounts>>
 
 AdvanceStepEvent(e) ==  \* the engine core applied the oldest output
     /\ e.event = "AdvanceStep"
     /\ batchQueue # <<>> /\ Head(batchQueue) = e.step + 1
+    /\ steps[e.step + 1].rows = e.req_ids
     /\ AdvanceStep
     /\ {r \in ReqSet : status'[r] = "finished" /\ status[r] # "finished"} = Range(e.finished)
     /\ \A r \in Range(e.delivered) : delivered'[r] # delivered[r]
-    /\ UNCHANGED engineCounts
+    /\ UNCHANGED <<engineCounts, pathCounts>>
 
 AbortEvent(e) ==
     /\ e.event = "Abort"
     /\ Abort(e.req)
-    /\ UNCHANGED engineCounts
+    /\ UNCHANGED <<engineCounts, pathCounts>>
 
 \* Without failures the device only ever enables other actions, so it may as well run at once:
 \* every other step waits until it has caught up, which spares TLC the orders that change nothing.
@@ -142,7 +162,7 @@ Logged ==
 \* --- silent steps: the cursor stays, each only where the next event needs it --
 
 \* A request arrives just before the step that admits it: arriving earlier changes nothing the trace shows.
-JustInTime == TraceAdmittedAt[Requests[arrived + 1]] = TraceNextStep[l]
+JustInTime == arrived < Len(Requests) /\ TraceAdmittedAt[Requests[arrived + 1]] = TraceNextStep[l]
 
 \* get_output() takes the output's lock just before the materialization the trace shows next.
 Enters(t) == NextIs({"Materialize"}) /\ ThreadOf(Ev.thread) = t /\ Ev.step + 1 = Target(t)
@@ -151,14 +171,25 @@ Silent ==
     /\ l <= Len(TraceEvents)
     /\ \/ DeviceRun
        \/ /\ DeviceCaughtUp
-          /\ \/ AddRequest /\ JustInTime
-             \/ \E t \in Threads : GetOutput(t) /\ Enters(t)
+          /\ \/ JustInTime /\ AddRequest  \* the cheap tests first: the actions rebuild functions
+             \/ \E t \in Threads : Enters(t) /\ GetOutput(t)
              \/ \E t \in Threads : GetOutputCached(t)
              \/ NextIs({"AdvanceStep", "drain"}) /\ WaitOldest  \* the cheap test first: WaitOldest plans
-    /\ UNCHANGED <<l, engineCounts>>
+    /\ UNCHANGED <<l, engineCounts, pathCounts>>
+
+\* The state as one record, printed for the next part of a long trace to start from.
+EndState ==
+    [arrived |-> arrived, status |-> status, phase |-> phase, chunks |-> chunks, placeholders |-> placeholders,
+     delivered |-> delivered, stopLen |-> stopLen, finishedIds |-> finishedIds, batchQueue |-> batchQueue,
+     mstate |-> mstate, rows |-> rows, host |-> host, pending |-> pending, cur |-> cur, stateLock |-> stateLock,
+     numAsync |-> numAsync, numSync |-> numSync, steps |-> steps, ran |-> ran, outQueue |-> outQueue, pc |-> pc,
+     engineCounts |-> engineCounts, pathCounts |-> pathCounts]
 
 \* Report the furthest event matched so far (TLC register 1), once per new maximum.
-Progress == l' > TLCGet(1) => TLCSet(1, l') /\ PrintT(<<"matched", l' - 1, Len(TraceEvents)>>)
+Progress ==
+    /\ l' > TLCGet(1) => TLCSet(1, l') /\ PrintT(<<"matched", l' - 1, Len(TraceEvents)>>)
+    \* every state the last event leads to, for the next part to start from
+    /\ TracePrintEnd /\ l' > Len(TraceEvents) => PrintT(<<"end", EndState'>>)
 
 TraceNext == (Logged \/ Silent) /\ Progress
 
@@ -169,5 +200,83 @@ TraceSpec == TraceInit /\ [][TraceNext]_traceVars
 \* The engine's own counters (async_steps, sync_fallback_steps) are the spec's after every step:
 \* CounterInv on a real run, not only the spec's arithmetic.
 EngineCountersInv == cur = NoCur => engineCounts = <<numAsync, numSync>>
+
+-----------------------------------------------------------------------------
+(* The invariants, where the last event can have changed something. Every   *)
+(* invariant over the whole history on every state costs time in proportion *)
+(* to the trace so far. But an action only touches the newest steps and the  *)
+(* requests its event names, and what it leaves alone was checked before: so *)
+(* each state checks the recent steps and the requests the last event named, *)
+(* with the spec's invariants' own predicates, and the spec's invariants,    *)
+(* whole, hold on every state past the last event.                          *)
+
+\* Steps an action can touch. The batch queue and the output queue hold at most Depth steps each,
+\* appended in step order and taken from the head, and the device is at most Depth programs behind
+\* (PipelineDepthInv, on every state): pending, both queues and the next program are all among the
+\* last Depth + 1 steps. An older step never changes again.
+Recent == {s \in 1..Len(steps) : s > Len(steps) - (Depth + 2)}
+
+Prev == TraceEvents[l - 1]
+\* Requests an action can have changed: those the last logged event names (a step's rows, the
+\* snapshot rows of a materialization or of an applied output, an abort's request), the latest
+\* arrival, and every request after a drain. Silent steps change no request but by its arrival.
+Hot ==
+    (IF l = 1 THEN {} ELSE Range(Prev.req_ids) \cup Range(Prev.new) \cup (IF Prev.req = "" THEN {} ELSE {Prev.req}))
+    \cup (IF arrived > 0 THEN {Requests[arrived]} ELSE {})
+    \cup (IF l > 1 /\ Prev.event = "drain" THEN ReqSet ELSE {})
+
+\* TypeOK on what can have changed (the functions' domains are ReqSet by construction).
+RecentTypeOK ==
+    /\ arrived \in 0..Len(Requests)
+    /\ \A r \in Hot :
+        /\ status[r] \in {"absent", "waiting", "running", "finished"}
+        /\ phase[r] \in {"prefill", "decode"}
+        /\ chunks[r] \in 0..MaxChunks
+        /\ placeholders[r] \in Nat
+        /\ delivered[r] \in Seq(Token) /\ stopLen[r] \in Nat
+        /\ host[r] \in Seq(Token)
+    /\ finishedIds \subseteq ReqSet
+    /\ Range(batchQueue) \subseteq 1..Len(steps)
+    /\ mstate \in MachineStates
+    /\ Range(rows) \subseteq ReqSet
+    /\ pending \in 0..Len(steps)
+    /\ stateLock \in {"none", "main"}
+    /\ numAsync \in Nat /\ numSync \in Nat
+    /\ \A s \in Recent :
+        /\ DOMAIN steps[s] = {"rows", "outIdx", "input", "result", "path", "shape", "ok", "mat", "lock"}
+        /\ steps[s].path \in PathStates
+        /\ steps[s].mat \in Nat /\ steps[s].lock \in Threads \cup {"none"}
+        /\ steps[s].ok \in BOOLEAN
+    /\ ran \in 0..Len(steps)
+    /\ Range(outQueue) \subseteq 1..Len(steps)
+    /\ pc \in [Threads -> {"top", "get", "transfer", "exec", "wait", "failing", "dead"}]
+
+RecentExactlyOnceMaterializationInv ==
+    \A s \in Recent :
+        /\ steps[s].mat <= 1
+        /\ Resolved(s) => steps[s].mat = 1
+
+RecentTokenOwnershipInv ==
+    /\ \A s \in Recent : \A i \in DOMAIN steps[s].rows :
+        steps[s].input[i] \in {Prompt, Poison, Tok(steps[s].rows[i], steps[s].outIdx[i] - 1)}
+    /\ \A r \in Hot : \A k \in DOMAIN host[r] : host[r][k] \in {Tok(r, k), Poison}
+    /\ \A r \in Hot :
+        /\ delivered[r] = [k \in 1..Len(delivered[r]) |-> Tok(r, k)]
+        /\ Len(delivered[r]) <= stopLen[r]
+
+RecentNoStaleInputInv == \A s \in Recent : \A i \in DOMAIN steps[s].rows : steps[s].input[i] # Poison
+
+\* CounterInv with the paths counted as the step events come (a step's path never changes).
+RecentCounterInv ==
+    /\ numAsync = pathCounts[1] /\ numSync = pathCounts[2]
+    /\ numAsync + numSync = Len(steps) + (IF cur = NoCur THEN 0 ELSE 1)
+
+\* The spec's invariants, whole, on every state past the last event.
+Past == l > Len(TraceEvents)
+PastTypeOK == Past => TypeOK
+PastExactlyOnceMaterializationInv == Past => ExactlyOnceMaterializationInv
+PastTokenOwnershipInv == Past => TokenOwnershipInv
+PastNoStaleInputInv == Past => NoStaleInputInv
+PastCounterInv == Past => CounterInv
 
 =============================================================================

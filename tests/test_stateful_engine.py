@@ -85,6 +85,10 @@ _REFERENCE: Reference | None = None
 _ENGINES: dict[str, tuple[LLM, Spy, set[threading.Thread]]] = {}  # device -> engine reused across examples
 _EXAMPLES = itertools.count()  # request ids are unique across examples: the engine outlives them
 COVERAGE: Counter[str] = Counter()  # path states and events over every example of this session
+# Set to a folder, every engine started from then on writes its trace there (`--trace`), one file per
+# engine; model_check/test_trace_validation.py runs this machine so and has TLC validate the traces.
+TRACE_DIR: str | None = None
+_TRACES = itertools.count()
 
 
 def reference() -> Reference:
@@ -103,6 +107,7 @@ def _new_engine(device: str) -> tuple[LLM, Spy, set[threading.Thread]]:
         runtime_factory=faulty_runtime,  # the inject_failure rule's seam
         **SMALL_ENGINE,
         **ENGINE_EXTRA[device],
+        **({} if TRACE_DIR is None else {"trace_path": f"{TRACE_DIR}/{device}-engine{next(_TRACES)}.ndjson"}),
     )
     COVERAGE["engines started"] += 1
     return llm, Spy(llm), engine_threads(before)
