@@ -154,6 +154,10 @@ def test_every_generate_flag_in_help_is_accepted(tmp_path, capsys):
         "--no-async-scheduling": [],  # one per run below
         "--async-relay": [],
         "--no-async-relay": [],  # one per run below
+        "--enforce-eager": [],
+        "--no-enforce-eager": None,  # compiles for minutes: tests/test_compiled_program.py runs compiled
+        "--tensor-parallel-size": ["1"],
+        "--distributed-executor-backend": ["mp"],
         "--max-num-seqs": ["4"],
         "--max-model-len": ["128"],
         "--kv-cache-memory-gb": ["1"],
