@@ -11,6 +11,11 @@ counts each in-flight sampled token as an output *placeholder*:
   in `finished_req_ids`);
 - a stop on EOS or a stop token is only known after materialization, so the step already in flight
   for that request samples one more token: `update_from_output` discards it, it is never emitted.
+- with the relay on (`async_relay`), such a request gives its KV slot back as soon as it is left out,
+  one step before its last token is applied: a waiting request takes the slot in the same step, as
+  it would in sync mode. The request stays unfinished (its last token is still delivered); the worker
+  drops it from its batch at once (`finished_req_ids`). With the relay off the slot is held until the
+  token is applied: the design's behaviour, whose step counters the scenarios pin.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Async, relay on: requests whose last token is in flight and whose KV slot is already free.
+        self.releasing: list[Request] = []
+        self._early_release = config.async_scheduling and config.async_relay
         # Every request the scheduler still tracks: unfinished ones, and finished ones that a step in
         # flight still mentions. Keeping the latter guards token ownership: a recycled request id can
         # never receive a token sampled for its previous owner.
@@ -91,7 +99,7 @@ class Scheduler:
         return deltas
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.releasing)
 
     @property
     def num_free_slots(self) -> int:
@@ -110,12 +118,11 @@ class Scheduler:
         sampling: set[str] = set()
         in_flight = self._in_flight_steps
         all_decode = True
+        done: list[Request] = []  # left out for good: their last token is in flight
 
         # One pass per running request, everything inlined: this loop is the scheduler's per-request
         # cost on every step (the rest of a step is O(changes)).
-        for request in self.running:
-            if budget == 0:
-                break
+        for request in self.running:  # past the budget every n below is 0: nothing more is scheduled
             req_id, computed = request.request_id, request.num_computed_tokens
             num_prompt = len(request.prompt_token_ids)
             outputs = len(request.output_token_ids) + request.num_output_placeholders  # with placeholders
@@ -125,6 +132,8 @@ class Scheduler:
             ):  # fmt: skip
                 # Decode: the max_tokens pipelining gap. If the tokens already in flight reach the
                 # limit, scheduling another step would sample a token past max_tokens / max_model_len.
+                if self._early_release:
+                    done.append(request)
                 continue
             n = min(total - computed, budget)  # the prompt remainder (a chunk), or the one decode token
             if n <= 0:
@@ -140,6 +149,9 @@ class Scheduler:
                 # One more token will exist once this step runs; in sync mode it is materialized
                 # before the next schedule, so the placeholder is gone by then.
                 request.num_output_placeholders += 1
+
+        for request in done:
+            self._release_slot(request)
 
         while self.waiting and budget > 0 and self._free_slots:
             request = self.waiting.popleft()
@@ -215,18 +227,31 @@ class Scheduler:
                 self._forget_if_done(request)
         return deltas
 
+    def _release_slot(self, request: Request) -> None:
+        """The relay's early release: the slot goes back, the request stays unfinished (its last token,
+        in flight, is still delivered; the worker skips its write-back, having dropped it)."""
+        self._free_slot(request)
+        self.releasing.append(request)
+
+    def _free_slot(self, request: Request) -> None:
+        self.running.remove(request)
+        # Safe to reuse the slot at once even if a step writing it is in flight: the device runs
+        # programs in order, and a new owner only attends to positions it wrote itself.
+        self._free_slots.append(request.kv_slot)
+        self._free_slots.sort()
+        request.kv_slot = None
+        self._finished_since_schedule.add(request.request_id)  # the worker drops it from its batch
+
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
         was_running = request.status is RequestStatus.RUNNING
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
         if was_running:
-            self.running.remove(request)
-            # Safe to reuse the slot at once even if a step writing it is in flight: the device runs
-            # programs in order, and a new owner only attends to positions it wrote itself.
-            self._free_slots.append(request.kv_slot)
-            self._free_slots.sort()
-            self._finished_since_schedule.add(request.request_id)
+            if request.kv_slot is None:  # released early: its last token was in flight
+                self.releasing.remove(request)
+            else:
+                self._free_slot(request)
         self._forget_if_done(request)
 
     def _forget_if_done(self, request: Request) -> None:

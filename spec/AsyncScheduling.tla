@@ -230,10 +230,16 @@ IsRunning(r) == status[r] = "running"
 IsWaiting(r) == status[r] = "waiting"
 Schedulable(r) == phase[r] = "prefill" \/ Len(delivered[r]) + placeholders[r] < MaxTokens[r]
 
+\* With the relay on, a request whose last token is in flight gives its KV slot back when it is left
+\* out (scheduler._release_slot): it no longer holds a slot and leaves the worker's rows, while it
+\* stays running until that token is applied. With the relay off it holds the slot until then.
+Released == IF AsyncRelay THEN {r \in ReqSet : IsRunning(r) /\ ~Schedulable(r)} ELSE {}
+
 Schedules ==
     LET run == SelectSeq(Requests, IsRunning)
         wait == SelectSeq(Requests, IsWaiting)
-        maxAdmit == Min(Len(wait), MaxSeqs - Len(run))
+        HoldsSlot(r) == r \notin Released
+        maxAdmit == Min(Len(wait), MaxSeqs - Len(SelectSeq(run, HoldsSlot)))
         Choice(j, k) == [order |-> SelectSeq(SubSeq(run, 1, j), Schedulable) \o SubSeq(wait, 1, k),
                          admitted |-> SubSeq(wait, 1, k),
                          full |-> j = Len(run) /\ k = maxAdmit]
@@ -283,7 +289,7 @@ InputSource(path) ==
 \* and the path the machine takes. Building the set evaluates every plan completely.
 Plan(sch) ==
     LET scheduled == Range(sch.order)
-        order == NextRowOrder(rows, finishedIds \cap Range(rows), sch.admitted)
+        order == NextRowOrder(rows, (finishedIds \cup Released) \cap Range(rows), sch.admitted)
         InStep(r) == r \in scheduled
         curr == SelectSeq(order, InStep)
         allDecode == \A r \in scheduled : phase[r] = "decode"

@@ -118,6 +118,33 @@ def test_async_placeholders_close_the_max_tokens_gap():
     assert [d.finish_reason for d in deltas if d.request_id == "a"] == ["length"]
 
 
+@pytest.mark.parametrize("relay", [True, False], ids=["relay", "no-relay"])
+def test_async_relay_gives_the_slot_back_while_the_last_token_is_in_flight(relay):
+    """Relay on: a request left out by the max_tokens gap frees its slot in that step, and a waiting
+    request takes it at once (as in sync mode); its last token is still delivered. Relay off: the
+    design, the slot waits for that token."""
+    s = make(async_scheduling=True, async_relay=relay, max_num_seqs=1)
+    add(s, "a", 4, max_tokens=2)
+    add(s, "b", 4, max_tokens=2)
+    s1 = s.schedule()  # a's prefill
+    s2 = s.schedule()  # a's second (last) token
+    run(s, s1)
+    s3 = s.schedule()  # a is left out: its last token is in s2
+    assert "a" not in s3.num_scheduled_tokens
+    if relay:
+        assert [n.request_id for n in s3.scheduled_new_reqs] == ["b"] and s3.scheduled_new_reqs[0].kv_slot == 0
+        assert s3.finished_req_ids == {"a"}  # the worker drops a's row now
+        assert s.has_unfinished_requests() and s._free_slots == []
+    else:
+        assert s3.is_empty
+    deltas = run(s, s2)
+    assert [(d.request_id, d.finish_reason) for d in deltas] == [("a", "length")]  # delivered all the same
+    if not relay:
+        assert [n.request_id for n in s.schedule().scheduled_new_reqs] == ["b"]  # one step later
+    assert [r.request_id for r in s.running] == ["b"]
+    assert sorted(s._free_slots + [r.kv_slot for r in s.running]) == [0] and not s.releasing
+
+
 def test_async_stop_discards_the_in_flight_token():
     s = make(async_scheduling=True)
     add(s, "a", 4, max_tokens=10)

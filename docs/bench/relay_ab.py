@@ -1,5 +1,6 @@
 """Relay A/B (docs/benchmarks.md, "The relay"): sync, async without the relay, async with it, in one
-invocation, rotating the order per repetition. Usage: python docs/bench/relay_ab.py OUT.json churn:5 ..."""
+invocation, rotating the order per repetition. Usage: python docs/bench/relay_ab.py OUT.json churn:5 ...
+[--wait=SECONDS] (the longest wait for a quiet second before each repetition; 120 unless given)."""
 
 import json
 import statistics
@@ -28,7 +29,7 @@ KEYS = (
 )
 
 
-def main(name, reps):
+def main(name, reps, wait_s=120.0):
     n = DEFAULT_NUM_REQUESTS[name]
     seqs = n if name == "steady" else 8
     workload = build_workload(name, num_requests=n, vocab_size=load_model_config("tiny-llama").vocab_size)
@@ -41,7 +42,7 @@ def main(name, reps):
             engines[m].run(workload)  # warm-up
         for rep in range(reps):
             seq = order if rep % 2 == 0 else order[::-1]
-            OtherLoad.wait_for_quiet(0.15)
+            OtherLoad.wait_for_quiet(0.15, timeout_s=wait_s)
             for m in seq:
                 runs[m].append(engines[m].run(workload))
     finally:
@@ -62,7 +63,9 @@ def main(name, reps):
 
 
 if __name__ == "__main__":
-    results = [main(w, int(r)) for w, r in (a.split(":") for a in sys.argv[2:])]
+    waits = [float(a.split("=", 1)[1]) for a in sys.argv[2:] if a.startswith("--wait=")]
+    specs = [a.split(":") for a in sys.argv[2:] if not a.startswith("--")]
+    results = [main(w, int(r), *waits) for w, r in specs]
     json.dump(results, open(sys.argv[1], "w"), indent=2)
     for res in results:
         print(res["workload"])
