@@ -59,7 +59,7 @@ def test_async_gives_the_tokens_sync_gives_on_churny_workloads(backend):
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_scenario_paths_and_counters(backend, tmp_path, name, relay):
     requests, config, design = SCENARIOS[name]
-    expected = relayed(design) if relay else design
+    expected = relayed(name, design) if relay else design
     config = {**SHAPES, **config}
     del config["dtype"]  # run() sets float64 itself
     if "max_num_batched_tokens" in config:  # the chunked-prefill scenario: keep its budget, share our buckets
