@@ -55,8 +55,10 @@ Recorded = dict[tuple[int, bool], tuple[list[dict], dict[str, str | None]]]
 @pytest.fixture(scope="module")
 def recorded(tlc_available, tmp_path_factory) -> Recorded:
     folder = tmp_path_factory.mktemp("traces")
-    return {(seed, relay): record(folder / f"{name}.ndjson", seed, async_relay=relay)
-            for (seed, relay), name in zip(RECORDINGS, RECORDING_IDS, strict=True)}  # fmt: skip
+    return {
+        (seed, relay): record(folder / f"{name}.ndjson", seed, async_relay=relay)
+        for (seed, relay), name in zip(RECORDINGS, RECORDING_IDS, strict=True)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -292,9 +294,15 @@ def test_traces_of_hypothesis_stateful_examples_are_behaviours_of_the_spec(tlc_a
     try:
         run_state_machine_as_test(
             TracedEngine,
-            settings=settings(max_examples=HYPOTHESIS_EXAMPLES, stateful_step_count=HYPOTHESIS_STEPS, derandomize=True,
-                              database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow]),
-        )  # fmt: skip
+            settings=settings(
+                max_examples=HYPOTHESIS_EXAMPLES,
+                stateful_step_count=HYPOTHESIS_STEPS,
+                derandomize=True,
+                database=None,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow],
+            ),
+        )
     finally:
         stateful.TRACE_DIR = None
         for device in list(stateful._ENGINES):

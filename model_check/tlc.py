@@ -149,11 +149,27 @@ def run_tlc(
     assert java is not None, missing_reason()
     with tempfile.TemporaryDirectory(prefix="tlc-meta-") as meta:
         cmd = [
-            java, "-XX:+UseParallelGC", *(("-XX:TieredStopAtLevel=1",) if short else ()),
-            f"-Djava.io.tmpdir={meta}", "-cp", str(tla2tools_jar()), "tlc2.TLC",
-            "-tool", "-workers", "1", "-fp", "1", "-nowarning", "-metadir", os.path.join(meta, "states"),
-            "-config", config, *extra, *(("-dump", "dot,actionlabels", str(dump_dot)) if dump_dot else ()), module,
-        ]  # fmt: skip
+            java,
+            "-XX:+UseParallelGC",
+            *(("-XX:TieredStopAtLevel=1",) if short else ()),
+            f"-Djava.io.tmpdir={meta}",
+            "-cp",
+            str(tla2tools_jar()),
+            "tlc2.TLC",
+            "-tool",
+            "-workers",
+            "1",
+            "-fp",
+            "1",
+            "-nowarning",
+            "-metadir",
+            os.path.join(meta, "states"),
+            "-config",
+            config,
+            *extra,
+            *(("-dump", "dot,actionlabels", str(dump_dot)) if dump_dot else ()),
+            module,
+        ]
         started = time.perf_counter()
         proc = subprocess.run(cmd, cwd=spec_dir, capture_output=True, text=True, timeout=timeout_s)
         elapsed = time.perf_counter() - started

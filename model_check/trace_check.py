@@ -71,11 +71,15 @@ class TraceVerdict:
 
     def describe(self) -> str:
         if self.accepted:
-            return (f"accepted: {self.matched}/{len(self.events)} events in {self.tlc.elapsed_s:.1f}s "
-                    f"({self.parts} TLC run(s), {self.distinct_states} distinct states)")  # fmt: skip
+            return (
+                f"accepted: {self.matched}/{len(self.events)} events in {self.tlc.elapsed_s:.1f}s "
+                f"({self.parts} TLC run(s), {self.distinct_states} distinct states)"
+            )
         if self.violated_invariant is not None:
-            return (f"rejected: {self.violated_invariant} fails after event {self.violating_index} of "
-                    f"{len(self.events)} (0-based): {json.dumps(self.rejected_event)}")  # fmt: skip
+            return (
+                f"rejected: {self.violated_invariant} fails after event {self.violating_index} of "
+                f"{len(self.events)} (0-based): {json.dumps(self.rejected_event)}"
+            )
         if self.tlc.exit_code != 0:
             return f"TLC failed (exit {self.tlc.exit_code}):\n{self.tlc.errors()}"
         return f"rejected at event {self.matched} of {len(self.events)} (0-based): {json.dumps(self.rejected_event)}"
@@ -124,8 +128,12 @@ def logged_events(events: Iterable[dict]) -> list[dict]:
 def _input(row: list) -> dict:
     """One row's logged input as a record: prompt, a row of the pending future (1-based), or host."""
     kind = row[0]
-    return {"src": kind, "row": row[1] + 1 if kind == "future" else 0,
-            "tok": row[1] if kind == "host" else 0, "pos": row[2] if kind == "host" else 0}  # fmt: skip
+    return {
+        "src": kind,
+        "row": row[1] + 1 if kind == "future" else 0,
+        "tok": row[1] if kind == "host" else 0,
+        "pos": row[2] if kind == "host" else 0,
+    }
 
 
 def trace_records(events: Iterable[dict], threads: tuple[str, str] = ("MainThread", "async-output")) -> list[dict]:
@@ -161,27 +169,29 @@ def trace_records(events: Iterable[dict], threads: tuple[str, str] = ("MainThrea
         else:
             req_ids = []
         finished = e.get("finished", []) if kind == "AdvanceStep" else []
-        records.append({
-            "event": kind,
-            "step": e.get("step", -1),
-            "thread": e["thread"],
-            "req_ids": req_ids,
-            "new": [current[r] for r in new],
-            "max_tokens": list(e.get("max_tokens", [])) if new else [],
-            "source": e["source"] if machine else "",
-            "state": e["state"] if machine else "",
-            "sampled": [p is not None for p in e["positions"]] if materialize else [],
-            "count": e["count"] if materialize else 0,
-            "ok": bool(e["ok"]) if materialize else True,
-            # the relay's row map, rows numbered as in the spec (1-based; 0: the row keeps its host id)
-            "relay_from": [j + 1 for j in e.get("relay_from", [])][: len(req_ids)] if kind == "reinstate" else [],
-            "inputs": [_input(row) for row in e.get("inputs", [])] if kind == "reinstate" else [],
-            "counters": list(e.get("counters", [0, 0])) if kind == "reinstate" else [0, 0],
-            "delivered": [by_name[r] for r in e.get("delivered", [])],
-            "finished": [by_name[r] for r, _ in finished],
-            "stopped": [by_name[r] for r, reason in finished if reason == "stop"],
-            "req": current.get(e["req_id"], e["req_id"]) if kind == "Abort" else "",
-        })  # fmt: skip
+        records.append(
+            {
+                "event": kind,
+                "step": e.get("step", -1),
+                "thread": e["thread"],
+                "req_ids": req_ids,
+                "new": [current[r] for r in new],
+                "max_tokens": list(e.get("max_tokens", [])) if new else [],
+                "source": e["source"] if machine else "",
+                "state": e["state"] if machine else "",
+                "sampled": [p is not None for p in e["positions"]] if materialize else [],
+                "count": e["count"] if materialize else 0,
+                "ok": bool(e["ok"]) if materialize else True,
+                # the relay's row map, rows numbered as in the spec (1-based; 0: the row keeps its host id)
+                "relay_from": [j + 1 for j in e.get("relay_from", [])][: len(req_ids)] if kind == "reinstate" else [],
+                "inputs": [_input(row) for row in e.get("inputs", [])] if kind == "reinstate" else [],
+                "counters": list(e.get("counters", [0, 0])) if kind == "reinstate" else [0, 0],
+                "delivered": [by_name[r] for r in e.get("delivered", [])],
+                "finished": [by_name[r] for r, _ in finished],
+                "stopped": [by_name[r] for r, reason in finished if reason == "stop"],
+                "req": current.get(e["req_id"], e["req_id"]) if kind == "Abort" else "",
+            }
+        )
     return records
 
 
@@ -497,8 +507,14 @@ def check_trace(events: list[dict], *, timeout_s: float = 300, part_events: int 
         if states is not None:  # the part's own requests have not arrived yet: the spec's Init for them
             arriving = [name for r in trace.records[start:stop] for name in r["new"]]
             states = [arrive(st, arriving, trace.limits) for st in states]
-        module = trace_log_module(trace, start, stop, carried=carried, offsets=offsets,
-                                  start_states=None if states is None else [emit(st) for st in states])  # fmt: skip
+        module = trace_log_module(
+            trace,
+            start,
+            stop,
+            carried=carried,
+            offsets=offsets,
+            start_states=None if states is None else [emit(st) for st in states],
+        )
         with tempfile.TemporaryDirectory(prefix="trace-check-") as scratch:
             work = Path(scratch)
             for name in SPEC_MODULES:

@@ -32,9 +32,18 @@ EXIT_USAGE = 2  # usage or configuration error: nothing ran
 SUCCEEDED = ("stop", "length")
 
 REQUEST_FIELDS = {
-    "request_id", "prompt_token_ids", "prompt", "max_tokens", "temperature", "top_k", "top_p", "seed",
-    "stop_token_ids", "ignore_eos", "arrival_step",
-}  # fmt: skip
+    "request_id",
+    "prompt_token_ids",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "arrival_step",
+}
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -55,24 +64,37 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, choices=DEVICES, help="cpu: emulated Neuron device process")
     p.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weights, activations and KV cache")
     p.add_argument(
-        "--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=d.async_scheduling,
         help="overlap host work with device execution",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--async-relay", action=argparse.BooleanOptionalAction, default=d.async_relay,
+        "--async-relay",
+        action=argparse.BooleanOptionalAction,
+        default=d.async_relay,
         help="async mode: when the batch changes, build input ids on the device from the previous step's "
-             "sampled tokens instead of breaking the async flow",
-    )  # fmt: skip
+        "sampled tokens instead of breaking the async flow",
+    )
     p.add_argument(
-        "--enforce-eager", action=argparse.BooleanOptionalAction, default=d.enforce_eager,
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=d.enforce_eager,
         help="run the model op by op; --no-enforce-eager compiles one program per bucket at start-up",
-    )  # fmt: skip
+    )
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests running at once")
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                   help="positions per request (default: the model's max_position_embeddings, reduced to fit "
-                        "the KV cache budget)")  # fmt: skip
-    p.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb,
-                   help="KV cache memory budget in GiB (default: half the memory available at start)")  # fmt: skip
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=d.max_model_len,
+        help="positions per request (default: the model's max_position_embeddings, reduced to fit the KV cache budget)",
+    )
+    p.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=d.kv_cache_memory_gb,
+        help="KV cache memory budget in GiB (default: half the memory available at start)",
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget")
     p.add_argument("--decode-buckets", type=_int_list, default=_csv(d.decode_buckets), help="e.g. 1,2,4,8")
     p.add_argument("--prefill-buckets", type=_int_list, default=_csv(d.prefill_buckets), help="e.g. 16,32,64,128,256")
@@ -80,10 +102,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime-queue-depth", type=int, default=d.runtime_queue_depth, help="programs in flight")
     p.add_argument("--device-time-ms", type=float, default=d.device_time_ms, help="emulated program time")
     p.add_argument("--device-timeout-s", type=float, default=d.device_timeout_s, help="hung if no progress (0: off)")
-    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
-                   help="ranks the model is split over, one device process each")  # fmt: skip
-    p.add_argument("--distributed-executor-backend", default=d.distributed_executor_backend,
-                   choices=EXECUTOR_BACKENDS, help="how the ranks' device processes run")  # fmt: skip
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="ranks the model is split over, one device process each",
+    )
+    p.add_argument(
+        "--distributed-executor-backend",
+        default=d.distributed_executor_backend,
+        choices=EXECUTOR_BACKENDS,
+        help="how the ranks' device processes run",
+    )
     p.add_argument("--trace", default=None, metavar="FILE.ndjson", help="write machine transitions")
     p.add_argument("--stats", default=None, metavar="STATS.json", help="write run statistics as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -178,8 +208,9 @@ def run_generate(args: argparse.Namespace) -> int:
         try:
             request = parse_request_line(line, i, tokenizer)
             if request.request_id is None:
-                request = PromptRequest(request.prompt_token_ids, request.sampling_params, f"line-{i + 1}",
-                                        request.arrival_step)  # fmt: skip
+                request = PromptRequest(
+                    request.prompt_token_ids, request.sampling_params, f"line-{i + 1}", request.arrival_step
+                )
             # Checked here, not only by the engine: the engine forgets finished ids, so a repeat that
             # arrives later would be accepted and its output merged with the first one's.
             if request.request_id in seen_ids:
@@ -237,8 +268,11 @@ def _run_requests(args: argparse.Namespace, items: list[PromptRequest | RequestO
                         stats = llm.stats()
             except Interrupted as exc:
                 signum = exc.signum
-                print(f"\ninterrupted by {signal.Signals(signum).name}: keeping the {len(outputs)} finished "
-                      f"requests; the other {len(items) - len(outputs)} end as 'abort'", file=sys.stderr)  # fmt: skip
+                print(
+                    f"\ninterrupted by {signal.Signals(signum).name}: keeping the {len(outputs)} finished "
+                    f"requests; the other {len(items) - len(outputs)} end as 'abort'",
+                    file=sys.stderr,
+                )
             results.finish(f"interrupted by {signal.Signals(signum).name}" if signum else None)
     except (ConfigError, ModelLoadError, DeviceStartupError):
         results.close(remove_partial=True)  # nothing ran: no partial output to keep
@@ -275,8 +309,14 @@ def _report(stats: dict, elapsed: float, stats_path: str | None, outputs: list[R
             failures.setdefault(_error_kind(output.error), output.error or "")
     failed = sum(o is not None and o.finish_reason == "error" for o in outputs)
     succeeded = len(outputs) - failed - aborted
-    stats = {**stats, "requests": len(outputs), "succeeded": succeeded, "errors": failed, "aborted": aborted,
-             "wall_s": elapsed}  # fmt: skip
+    stats = {
+        **stats,
+        "requests": len(outputs),
+        "succeeded": succeeded,
+        "errors": failed,
+        "aborted": aborted,
+        "wall_s": elapsed,
+    }
     line = f"{len(outputs)} requests: {succeeded} succeeded, {failed} failed"
     line += f", {aborted} aborted" if aborted else ""
     if "output_tokens" in stats:
@@ -348,28 +388,39 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="neuron-async-sm", description=__doc__, epilog=EXIT_CODES_HELP,
-                                     formatter_class=_HelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="neuron-async-sm", description=__doc__, epilog=EXIT_CODES_HELP, formatter_class=_HelpFormatter
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine stats periodically")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate for every request of a JSONL file", formatter_class=_HelpFormatter,
-                         description=GENERATE_HELP, epilog=EXIT_CODES_HELP)  # fmt: skip
+    gen = sub.add_parser(
+        "generate",
+        help="generate for every request of a JSONL file",
+        formatter_class=_HelpFormatter,
+        description=GENERATE_HELP,
+        epilog=EXIT_CODES_HELP,
+    )
     gen.add_argument("--prompts", required=True, metavar="IN.jsonl", help="one request per line (see above)")
     gen.add_argument("--output", required=True, metavar="OUT.jsonl", help="one result per request, in input order")
     _add_engine_args(gen)
     gen.set_defaults(func=run_generate)
 
-    demo = sub.add_parser("demo", help="a demo generation on tiny-llama; prints tokens/s",
-                          description="Generate for a seeded mix of random prompts; print tokens/s.",
-                          formatter_class=_HelpFormatter, epilog=EXIT_CODES_HELP)  # fmt: skip
+    demo = sub.add_parser(
+        "demo",
+        help="a demo generation on tiny-llama; prints tokens/s",
+        description="Generate for a seeded mix of random prompts; print tokens/s.",
+        formatter_class=_HelpFormatter,
+        epilog=EXIT_CODES_HELP,
+    )
     demo.add_argument("--output", default="out/demo.jsonl", help="results, one line per request")
     demo.add_argument("--num-requests", type=int, default=32, help="how many requests")
     _add_engine_args(demo)
     demo.set_defaults(func=run_demo)
 
-    diagram = sub.add_parser("diagram", help="draw the worker's state machine from its transition table",
-                             formatter_class=_HelpFormatter)  # fmt: skip
+    diagram = sub.add_parser(
+        "diagram", help="draw the worker's state machine from its transition table", formatter_class=_HelpFormatter
+    )
     diagram.add_argument("--output", default="docs/state_machine", help="path without suffix (.dot/.svg/.png)")
     diagram.set_defaults(func=run_diagram)
 
@@ -386,8 +437,11 @@ def run_diagram(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     if len(written) == 1:  # only the DOT source: Graphviz's `dot` is missing
         svg = written[0].with_suffix(".svg")
-        print(f"note: SVG/PNG need Graphviz's `dot` (apt-get install graphviz, then rerun), or render the "
-              f"source elsewhere: dot -Tsvg {written[0]} -o {svg}", file=sys.stderr)  # fmt: skip
+        print(
+            f"note: SVG/PNG need Graphviz's `dot` (apt-get install graphviz, then rerun), or render the "
+            f"source elsewhere: dot -Tsvg {written[0]} -o {svg}",
+            file=sys.stderr,
+        )
     return EXIT_OK
 
 

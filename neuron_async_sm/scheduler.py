@@ -127,9 +127,7 @@ class Scheduler:
             num_prompt = len(request.prompt_token_ids)
             outputs = len(request.output_token_ids) + request.num_output_placeholders  # with placeholders
             total = num_prompt + outputs
-            if computed >= num_prompt and (
-                outputs >= request.sampling_params.max_tokens or total >= max_model_len
-            ):  # fmt: skip
+            if computed >= num_prompt and (outputs >= request.sampling_params.max_tokens or total >= max_model_len):
                 # Decode: the max_tokens pipelining gap. If the tokens already in flight reach the
                 # limit, scheduling another step would sample a token past max_tokens / max_model_len.
                 if self._early_release:
@@ -163,9 +161,10 @@ class Scheduler:
             num_scheduled[req_id] = n
             budget -= n
             new_reqs.append(
-                NewRequestData(req_id, list(request.prompt_token_ids), request.sampling_params, request.seed,
-                               request.kv_slot)
-            )  # fmt: skip
+                NewRequestData(
+                    req_id, list(request.prompt_token_ids), request.sampling_params, request.seed, request.kv_slot
+                )
+            )
             num_computed[req_id] = request.num_computed_tokens  # 0: nothing is preempted here
             all_decode = False  # a prompt chunk
             request.num_computed_tokens += n

@@ -147,8 +147,9 @@ def test_interrupt_during_a_hang_exits_within_two_seconds(tmp_path):
                 sys.exit(130)
     """)
     )
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     pid = None
     try:
         pid = int(proc.stdout.readline())

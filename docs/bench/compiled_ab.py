@@ -27,8 +27,13 @@ def config(max_batch: int) -> dict:
     # One prefill length (32, the prompt) and a budget of one prompt per step: the prefill graphs are
     # rows 1 and symbolic rows at that length; decode buckets 1, 8, .., max_batch.
     buckets = tuple(sorted({1, 8, max_batch}))
-    return dict(max_num_seqs=max_batch, decode_buckets=buckets, prefill_buckets=(PROMPT,),
-                max_num_batched_tokens=PROMPT, max_model_len=PROMPT + NEW + 8)  # fmt: skip
+    return dict(
+        max_num_seqs=max_batch,
+        decode_buckets=buckets,
+        prefill_buckets=(PROMPT,),
+        max_num_batched_tokens=PROMPT,
+        max_model_len=PROMPT + NEW + 8,
+    )
 
 
 def run(llm: LLM, prompts: list[list[int]]) -> tuple[float, float, list[list[int]]]:
@@ -91,9 +96,15 @@ def main() -> None:
     finally:
         eager.close()
         compiled.close()
-    report = {"config": cfg, "prompt_len": PROMPT, "new_tokens": NEW, "repetitions": args.repetitions,
-              "startup_s": {"eager": eager_start, "compiled": compiled_start},
-              "compilations_while_serving": serving_compilations, "rows": rows}  # fmt: skip
+    report = {
+        "config": cfg,
+        "prompt_len": PROMPT,
+        "new_tokens": NEW,
+        "repetitions": args.repetitions,
+        "startup_s": {"eager": eager_start, "compiled": compiled_start},
+        "compilations_while_serving": serving_compilations,
+        "rows": rows,
+    }
     print(json.dumps(report))
     if args.out:
         with open(args.out, "w") as f:

@@ -74,22 +74,46 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repetitions", type=int, default=5, help="recorded runs per mode (alternating)")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded runs per mode first")
     p.add_argument("--model", default="tiny-llama")
-    p.add_argument("--device", default="cpu", choices=DEVICES,
-                   help="backend of the sync/async comparison (xla: run from the XLA venv, .ci/xla-env)")  # fmt: skip
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=DEVICES,
+        help="backend of the sync/async comparison (xla: run from the XLA venv, .ci/xla-env)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: steady N requests, others 8")
     p.add_argument("--device-time-ms", type=float, default=0.0, help="hold each program this long (0: real compute)")
     p.add_argument("--device-threads", type=int, default=1, help="torch threads inside the device process")
-    p.add_argument("--device-cpu", default="auto", type=_device_cpu,
-                   help="CPU the device process owns: auto (the last CPU), none (no pinning) or a number")  # fmt: skip
+    p.add_argument(
+        "--device-cpu",
+        default="auto",
+        type=_device_cpu,
+        help="CPU the device process owns: auto (the last CPU), none (no pinning) or a number",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--async-relay", action=argparse.BooleanOptionalAction, default=True,
-                   help="the async engine relays the sampled-token future across batch changes")  # fmt: skip
-    p.add_argument("--max-other-cpu", type=float, default=None, metavar="SHARE",
-                   help="shared machine: redo a sync/async pair if other processes used more than this share "
-                        "of the CPUs during it (e.g. 0.1)")  # fmt: skip
+    p.add_argument(
+        "--async-relay",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the async engine relays the sampled-token future across batch changes",
+    )
+    p.add_argument(
+        "--max-other-cpu",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="shared machine: redo a sync/async pair if other processes used more than this share "
+        "of the CPUs during it (e.g. 0.1)",
+    )
     p.add_argument("--no-compare", action="store_true", help="skip the sync/async comparison")
-    p.add_argument("--sweep", nargs="?", const=sweep.DEFAULT_RATIOS, type=_floats, default=None,
-                   metavar="RATIOS", help="D/C sweep at these ratios (default 0.25,0.5,1,2,4)")  # fmt: skip
+    p.add_argument(
+        "--sweep",
+        nargs="?",
+        const=sweep.DEFAULT_RATIOS,
+        type=_floats,
+        default=None,
+        metavar="RATIOS",
+        help="D/C sweep at these ratios (default 0.25,0.5,1,2,4)",
+    )
     p.add_argument("--host-cost", action="store_true", help="C per step vs batch size and vs waiting requests")
     p.add_argument("--vs-transformers", action="store_true", help="tokens/s against transformers generate()")
     p.add_argument("--all", action="store_true", help="every section")
@@ -138,29 +162,37 @@ def run_bench(args: argparse.Namespace) -> int:
         report.update(_compare_section(args, show))
     if args.sweep:
         advance, close = _progress_bar(show, 1 + 2 * (args.repetitions + 1) * (len(args.sweep) + 1), "sweep D/C")
-        report["sweep"] = sweep.run_sweep(args.sweep, repetitions=args.repetitions, progress=advance,
-                                          engine_options=engine, max_other_cpu=args.max_other_cpu)  # fmt: skip
+        report["sweep"] = sweep.run_sweep(
+            args.sweep,
+            repetitions=args.repetitions,
+            progress=advance,
+            engine_options=engine,
+            max_other_cpu=args.max_other_cpu,
+        )
         close()
         _print_sweep(report["sweep"])
     if args.host_cost:
         advance, close = _progress_bar(show, args.repetitions + 3, "host cost")  # rounds: batch, then waiting
         quiet = args.max_other_cpu
-        report["host_cost_batch"] = host_cost.host_cost_vs_batch(progress=advance, engine_options=engine,
-                                                                 repetitions=args.repetitions,
-                                                                 max_other_cpu=quiet)  # fmt: skip
-        report["host_cost_waiting"] = host_cost.host_cost_vs_waiting(progress=advance, engine_options=engine,
-                                                                     max_other_cpu=quiet)  # fmt: skip
+        report["host_cost_batch"] = host_cost.host_cost_vs_batch(
+            progress=advance, engine_options=engine, repetitions=args.repetitions, max_other_cpu=quiet
+        )
+        report["host_cost_waiting"] = host_cost.host_cost_vs_waiting(
+            progress=advance, engine_options=engine, max_other_cpu=quiet
+        )
         close()
         _print_rows("C per step vs batch size (µs)", report["host_cost_batch"]["rows"], "batch")
         for mode, fit in report["host_cost_batch"]["linear_fit"].items():
-            print(f"{mode}: C = {fit['intercept_us']:.0f} µs + {fit['slope_us_per_request']:.1f} µs x batch "
-                  f"(worst point {fit['max_relative_residual']:.0%} off the line)")  # fmt: skip
+            print(
+                f"{mode}: C = {fit['intercept_us']:.0f} µs + {fit['slope_us_per_request']:.1f} µs x batch "
+                f"(worst point {fit['max_relative_residual']:.0%} off the line)"
+            )
         _print_rows("C per step vs waiting requests (µs)", report["host_cost_waiting"]["rows"], "waiting")
     if args.vs_transformers:
         advance, close = _progress_bar(show, len(peer.DEFAULT_PEER_BATCHES), "vs transformers")
-        report["vs_transformers"] = peer.vs_transformers(progress=advance, engine_options=engine,
-                                                         repetitions=args.repetitions,
-                                                         max_other_cpu=args.max_other_cpu)  # fmt: skip
+        report["vs_transformers"] = peer.vs_transformers(
+            progress=advance, engine_options=engine, repetitions=args.repetitions, max_other_cpu=args.max_other_cpu
+        )
         close()
         _print_peer(report["vs_transformers"])
         cb = peer.vs_transformers_continuous(engine_options=engine, repetitions=args.repetitions)
@@ -184,17 +216,34 @@ def _compare_section(args: argparse.Namespace, show: bool) -> dict:
     num_requests = args.num_requests or DEFAULT_NUM_REQUESTS[args.workload]
     max_num_seqs = args.max_num_seqs or (num_requests if args.workload == "steady" else 8)
     vocab_size = load_model_config(args.model).vocab_size  # prompts must fit the model's vocabulary
-    workload = build_workload(args.workload, num_requests=num_requests, output_tokens=args.output_tokens,
-                              seed=args.seed, vocab_size=vocab_size)  # fmt: skip
+    workload = build_workload(
+        args.workload,
+        num_requests=num_requests,
+        output_tokens=args.output_tokens,
+        seed=args.seed,
+        vocab_size=vocab_size,
+    )
     emulated = args.device == "cpu"  # the device process: pinning and its torch threads apply
-    config = {**batch_config(max_num_seqs), "device": args.device, "device_time_ms": args.device_time_ms,
-              "device_threads": args.device_threads if emulated else 1,
-              "device_cpu": args.device_cpu if emulated else None, "seed": args.seed,
-              "async_relay": args.async_relay}  # fmt: skip
+    config = {
+        **batch_config(max_num_seqs),
+        "device": args.device,
+        "device_time_ms": args.device_time_ms,
+        "device_threads": args.device_threads if emulated else 1,
+        "device_cpu": args.device_cpu if emulated else None,
+        "seed": args.seed,
+        "async_relay": args.async_relay,
+    }
     advance, close = _progress_bar(show, 2 * (args.warmup + args.repetitions), f"bench {args.workload}")
     try:
-        result = compare_modes(args.model, workload, repetitions=args.repetitions, warmup=args.warmup,
-                               max_other_cpu=args.max_other_cpu, progress=advance, **config)  # fmt: skip
+        result = compare_modes(
+            args.model,
+            workload,
+            repetitions=args.repetitions,
+            warmup=args.warmup,
+            max_other_cpu=args.max_other_cpu,
+            progress=advance,
+            **config,
+        )
     finally:
         close()
     section = result.to_json()
@@ -205,9 +254,11 @@ def _compare_section(args: argparse.Namespace, show: bool) -> dict:
 
 def _print_compare(section: dict) -> None:
     config, reps = section["config"], section["sync"]["repetitions"]
-    print(f"\n{section['workload']}: {section['num_requests']} requests, {section['model']}, "
-          f"--device {config['device']}, "
-          f"device_time_ms={config['device_time_ms']}, medians of {reps} runs per mode")  # fmt: skip
+    print(
+        f"\n{section['workload']}: {section['num_requests']} requests, {section['model']}, "
+        f"--device {config['device']}, "
+        f"device_time_ms={config['device_time_ms']}, medians of {reps} runs per mode"
+    )
     print(f"{'':20s} {'sync':>10s} {'async':>10s}")
     for label, key, fmt in COMPARE_FIELDS:
         print(f"{label:20s} {fmt.format(section['sync'][key]):>10s} {fmt.format(section['async'][key]):>10s}")
@@ -217,22 +268,32 @@ def _print_compare(section: dict) -> None:
         f"async_step_fraction {section['async_step_fraction']:.3f}"
     )
     bound, efficiency = section["ideal_speedup_with_transport"], section["overlap_efficiency_with_transport"]
-    print(f"with the transport O = {section['O_ms']:.3f} ms/step counted as host time: ideal {bound:.3f}, "
-          f"efficiency {efficiency:.2f}")  # fmt: skip
-    print(f"state_counts {section['state_counts']}; pairs redone because the machine was busy: "
-          f"{section['excluded_pairs']}")  # fmt: skip
+    print(
+        f"with the transport O = {section['O_ms']:.3f} ms/step counted as host time: ideal {bound:.3f}, "
+        f"efficiency {efficiency:.2f}"
+    )
+    print(
+        f"state_counts {section['state_counts']}; pairs redone because the machine was busy: "
+        f"{section['excluded_pairs']}"
+    )
 
 
 def _print_sweep(data: dict) -> None:
-    print(f"\nD/C sweep ({data['model']}, batch {data['batch']}, calibrated C {data['calibrated_C_ms']:.3f} ms, "
-          f"program alone {data['program_alone_ms']:.3f} ms)")  # fmt: skip
-    print(f"{'D/C asked':>9s} {'how':>12s} {'D/C':>6s} {'speedup':>8s} {'ideal':>6s} {'ratio':>6s} "
-          f"{'efficiency':>10s} {'ideal+O':>8s} {'eff+O':>6s}")  # fmt: skip
+    print(
+        f"\nD/C sweep ({data['model']}, batch {data['batch']}, calibrated C {data['calibrated_C_ms']:.3f} ms, "
+        f"program alone {data['program_alone_ms']:.3f} ms)"
+    )
+    print(
+        f"{'D/C asked':>9s} {'how':>12s} {'D/C':>6s} {'speedup':>8s} {'ideal':>6s} {'ratio':>6s} "
+        f"{'efficiency':>10s} {'ideal+O':>8s} {'eff+O':>6s}"
+    )
     for p in data["points"]:
         asked = "-" if p["requested_ratio"] is None else f"{p['requested_ratio']:.2f}"
-        print(f"{asked:>9s} {p['kind']:>12s} {p['D_over_C']:6.2f} {p['speedup']:8.3f} {p['ideal_speedup']:6.3f} "
-              f"{p['speedup_vs_ideal']:6.3f} {p['overlap_efficiency']:10.2f} "
-              f"{p['ideal_speedup_with_transport']:8.3f} {p['overlap_efficiency_with_transport']:6.2f}")  # fmt: skip
+        print(
+            f"{asked:>9s} {p['kind']:>12s} {p['D_over_C']:6.2f} {p['speedup']:8.3f} {p['ideal_speedup']:6.3f} "
+            f"{p['speedup_vs_ideal']:6.3f} {p['overlap_efficiency']:10.2f} "
+            f"{p['ideal_speedup_with_transport']:8.3f} {p['overlap_efficiency_with_transport']:6.2f}"
+        )
 
 
 def _print_rows(title: str, rows: list[dict], key: str) -> None:
@@ -246,8 +307,10 @@ def _print_peer(data: dict) -> None:
     print(f"\ntokens/s vs transformers {data['transformers_version']} ({data['new_tokens']} new tokens, greedy)")
     print(f"{'batch':>6s} {'ours':>8s} {'theirs':>8s} {'ratio':>6s} {'agree':>6s}")
     for r in data["rows"]:
-        print(f"{r['batch']:6d} {r['ours_tokens_per_s']:8.0f} {r['transformers_tokens_per_s']:8.0f} "
-              f"{r['ratio']:6.2f} {r['token_agreement']:6.3f}")  # fmt: skip
+        print(
+            f"{r['batch']:6d} {r['ours_tokens_per_s']:8.0f} {r['transformers_tokens_per_s']:8.0f} "
+            f"{r['ratio']:6.2f} {r['token_agreement']:6.3f}"
+        )
 
 
 def _finite(value: object) -> object:

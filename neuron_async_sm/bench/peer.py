@@ -52,9 +52,13 @@ def _theirs(model: object, prompts: list[list[int]], new_tokens: int, threads: i
         started = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(  # type: ignore[attr-defined]
-                input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
-            )  # fmt: skip
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
         elapsed = time.perf_counter() - started
     finally:
         torch.set_num_threads(previous)
@@ -117,8 +121,13 @@ def vs_transformers(
                 for name, samples in times.items():
                     row[f"{name}_tokens_per_s"] = batch * new_tokens / statistics.median(samples)
                 best = max(row[f"transformers_{n}t_tokens_per_s"] for n in threads)
-                row.update(transformers_tokens_per_s=best, ratio=row["ours_tokens_per_s"] / best,
-                           token_agreement=agreement, load_avg=load_average()[0], other_cpu=other.share())  # fmt: skip
+                row.update(
+                    transformers_tokens_per_s=best,
+                    ratio=row["ours_tokens_per_s"] / best,
+                    token_agreement=agreement,
+                    load_avg=load_average()[0],
+                    other_cpu=other.share(),
+                )
                 rows.append(row)
                 if progress is not None:
                     progress(f"batch {batch}: ours {row['ours_tokens_per_s']:.0f} tok/s, transformers {best:.0f}")

@@ -168,8 +168,9 @@ class LlamaModel:
         k = apply_rope(k.view(b, length, kv, dim), *rope)  # [B, L, kv, D]
         v = v.view(b, length, kv, dim)
         if self.opaque_attention:  # compiled: the cache write and attention as one op (mask unused)
-            out = cached_attention(q, k, v, cache.k[index], cache.v[index], batch.write_slots, batch.positions,
-                                   batch.slot_ids, self.scale)  # fmt: skip
+            out = cached_attention(
+                q, k, v, cache.k[index], cache.v[index], batch.write_slots, batch.positions, batch.slot_ids, self.scale
+            )
             return F.linear(out.reshape(b, length, heads * dim), layer.o_proj)
         # Padding tokens go to the scratch slot (batch.write_slots): writing them at their row's
         # slot, position 0, would overwrite a live request's first token.

@@ -135,8 +135,9 @@ class StepProgram:
             rows, started = shape[0], time.perf_counter()
             scratch = torch.full((rows,), self.scratch_slot, dtype=torch.int32)  # [rows] padding rows
             zeros = torch.zeros(shape, dtype=torch.int32)
-            self.forward_logits(input_ids=zeros, positions=zeros, query_lens=torch.zeros(rows, dtype=torch.int32),
-                                slot_ids=scratch)  # fmt: skip
+            self.forward_logits(
+                input_ids=zeros, positions=zeros, query_lens=torch.zeros(rows, dtype=torch.int32), slot_ids=scratch
+            )
             label = f"decode bucket {rows}" if len(shape) == 1 else f"prefill {rows} x {shape[1]}"
             report.append((label, time.perf_counter() - started))
             logger.info("compiled %s: %.1f s", *report[-1])

@@ -26,14 +26,20 @@ from neuron_async_sm.bench.checkpoint import write_checkpoint
 from neuron_async_sm.model import TINY_LLAMA_CONFIG
 
 ENGINE_FLAGS = [
-    "--dtype", SHAPES["dtype"],  # float64: greedy ties between devices are negligible
-    "--max-num-seqs", str(SHAPES["max_num_seqs"]),
-    "--max-model-len", str(SHAPES["max_model_len"]),
-    "--max-num-batched-tokens", str(SHAPES["max_num_batched_tokens"]),  # the longer prompts are chunked
-    "--decode-buckets", ",".join(map(str, DECODE_BUCKETS)),
-    "--prefill-buckets", ",".join(map(str, SHAPES["prefill_buckets"])),
+    "--dtype",
+    SHAPES["dtype"],  # float64: greedy ties between devices are negligible
+    "--max-num-seqs",
+    str(SHAPES["max_num_seqs"]),
+    "--max-model-len",
+    str(SHAPES["max_model_len"]),
+    "--max-num-batched-tokens",
+    str(SHAPES["max_num_batched_tokens"]),  # the longer prompts are chunked
+    "--decode-buckets",
+    ",".join(map(str, DECODE_BUCKETS)),
+    "--prefill-buckets",
+    ",".join(map(str, SHAPES["prefill_buckets"])),
     "--no-progress",
-]  # fmt: skip
+]
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 REQUIRE_XLA = os.environ.get("NEURON_ASYNC_SM_REQUIRE_XLA", "") == "1"  # the XLA lane: a missing torch_xla fails
 PROCESS_TIMEOUT_S = 300  # the cpu reference: ~10 s
@@ -44,8 +50,13 @@ def prompts(path: Path) -> Path:
     lines = []
     for i in range(7):
         prompt = [(17 * i + 5 * k) % TINY_LLAMA_CONFIG.vocab_size for k in range(3 + 4 * i)]
-        request = {"request_id": f"r{i}", "prompt_token_ids": prompt, "max_tokens": 6 + 3 * (i % 4),
-                   "ignore_eos": True, "arrival_step": 2 * i}  # fmt: skip
+        request = {
+            "request_id": f"r{i}",
+            "prompt_token_ids": prompt,
+            "max_tokens": 6 + 3 * (i % 4),
+            "ignore_eos": True,
+            "arrival_step": 2 * i,
+        }
         lines.append(json.dumps(request))
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
@@ -53,13 +64,27 @@ def prompts(path: Path) -> Path:
 
 def generate(tmp_path: Path, checkpoint: Path, requests: Path, device: str, mode: str) -> tuple[dict, dict]:
     out, stats = tmp_path / f"{device}-{mode}.jsonl", tmp_path / f"{device}-{mode}.stats.json"
-    argv = ["generate", "--prompts", str(requests), "--output", str(out), "--model", str(checkpoint),
-            "--device", device, f"--{mode}", "--stats", str(stats), *ENGINE_FLAGS]  # fmt: skip
+    argv = [
+        "generate",
+        "--prompts",
+        str(requests),
+        "--output",
+        str(out),
+        "--model",
+        str(checkpoint),
+        "--device",
+        device,
+        f"--{mode}",
+        "--stats",
+        str(stats),
+        *ENGINE_FLAGS,
+    ]
     if device == "xla":
         assert cli.main(argv) == 0, argv
     else:
-        done = subprocess.run([sys.executable, "-m", "neuron_async_sm", *argv], capture_output=True, text=True,
-                              timeout=PROCESS_TIMEOUT_S)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "neuron_async_sm", *argv], capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S
+        )
         assert done.returncode == 0, f"{' '.join(argv)}\n{done.stdout}\n{done.stderr[-4000:]}"
     results = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert all(r["finish_reason"] == "length" for r in results), results
