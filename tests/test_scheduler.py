@@ -145,6 +145,23 @@ def test_async_relay_gives_the_slot_back_while_the_last_token_is_in_flight(relay
     assert sorted(s._free_slots + [r.kv_slot for r in s.running]) == [0] and not s.releasing
 
 
+def test_async_relay_abort_of_a_request_whose_slot_was_released():
+    """Aborted while its last token is in flight and its slot already taken: the slot is not freed a
+    second time, the in-flight token is discarded, and the request is forgotten once it lands."""
+    s = make(async_scheduling=True, max_num_seqs=1)
+    add(s, "a", 4, max_tokens=2)
+    add(s, "b", 4, max_tokens=2)
+    s1, s2 = s.schedule(), s.schedule()
+    run(s, s1)
+    s3 = s.schedule()  # a released, b takes slot 0
+    assert s.abort_request("a").finish_reason == "abort"
+    assert not s.releasing and s._free_slots == [] and [r.kv_slot for r in s.running] == [0]
+    assert [d.request_id for d in run(s, s2)] == []  # a's last token: discarded
+    assert "a" not in s.requests
+    run(s, s3)
+    assert s._free_slots == [] and [r.request_id for r in s.running] == ["b"]
+
+
 def test_async_stop_discards_the_in_flight_token():
     s = make(async_scheduling=True)
     add(s, "a", 4, max_tokens=10)
