@@ -123,7 +123,7 @@ def test_zero_timeout_disables_the_watchdog():
         assert "neuron-device-watchdog" not in engine_threads_alive()
 
 
-def test_interrupt_during_a_hang_exits_within_two_seconds(tmp_path):
+def test_interrupt_during_a_hang_exits_promptly(tmp_path):
     """Ctrl-C while the main thread waits on a stopped device (watchdog off): the `with` block's close()
     kills the device instead of waiting, and the process exits."""
     script = tmp_path / "hang.py"
@@ -163,8 +163,10 @@ def test_interrupt_during_a_hang_exits_within_two_seconds(tmp_path):
         assert proc.returncode == 130, (out, err)
         close_s = float(out)
         print(f"SIGINT during a hang -> close() {close_s:.3f} s, process exit {elapsed:.2f} s")
-        assert close_s < 0.5, "close() after an interrupt waited for the device"
-        assert elapsed < 2.0, f"exit took {elapsed:.2f} s after Ctrl-C"
+        # Bounds far below the waits they guard (a close() that waits on the device never returns; the
+        # old shutdown took 60 s), with slack for a loaded 2-core CI.
+        assert close_s < 2.0, "close() after an interrupt waited for the device"
+        assert elapsed < 5.0, f"exit took {elapsed:.2f} s after Ctrl-C"
         assert process_gone(pid)
     finally:
         proc.kill()
