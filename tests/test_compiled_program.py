@@ -7,13 +7,16 @@ machine; float64, so that a fused kernel's different rounding cannot flip a toke
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from support.workloads import drive, random_workload
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.config import ConfigError, EngineConfig
+from neuron_async_sm.engine.core import StepProgramFactory
 from neuron_async_sm.engine.warmup import warmup_shapes
+from neuron_async_sm.runtime import DeviceRuntime, RuntimeFactory, create_runtime
 
 ENGINE = dict(
     dtype="float64",
@@ -46,13 +49,26 @@ def test_compiled_async_gives_eager_sync_tokens_on_churn_and_compiles_nothing_wh
         assert "compilations" not in eager.stats()
 
 
-def test_compiled_programs_count_a_shape_missed_at_start_up(monkeypatch):
-    """The count is real: start-up that skips the decode bucket leaves it to compile while serving."""
-    from neuron_async_sm.engine import core
+ONE_ROW = {**ENGINE, "max_num_seqs": 1, "decode_buckets": (1,)}
 
-    monkeypatch.setattr(core, "warmup_shapes", lambda config: [(1, 16)])
-    one_row = {**ENGINE, "max_num_seqs": 1, "decode_buckets": (1,)}
-    with LLM("tiny-llama", device="cpu-inprocess", enforce_eager=False, **one_row) as llm:
+
+def compiling_only(shapes: tuple[tuple[int, ...], ...]) -> RuntimeFactory:
+    """A ``RuntimeFactory`` (the engine's runtime seam): the engine's runtime, its programs compiled for ``shapes``."""
+
+    def runtime(device: str, programs: StepProgramFactory, **settings) -> DeviceRuntime:
+        assert set(shapes) < set(programs.spec.compile_shapes), "not a narrower start-up than the engine's"
+        narrowed = StepProgramFactory(
+            replace(programs.spec, compile_shapes=shapes), programs.relay_width, programs.group
+        )
+        return create_runtime(device, narrowed, **settings)
+
+    return runtime
+
+
+def test_compiled_programs_count_a_shape_missed_at_start_up():
+    """The count is real: start-up that skips the decode bucket leaves it to compile while serving."""
+    skip_decode = compiling_only(((1, 16),))
+    with LLM("tiny-llama", device="cpu-inprocess", enforce_eager=False, runtime_factory=skip_decode, **ONE_ROW) as llm:
         assert llm.stats()["compilations"] == 0
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
         assert llm.stats()["compilations"] == 1

@@ -1,21 +1,25 @@
 """Warm-up covers every program shape serving enqueues, the relay's included (issue 12: no compile while serving).
 
-A compiling device (XLA, Neuron) builds one program per input signature. Here the CPU plays one: the
-accelerator backend on the CPU told it compiles per shape (so the worker pads the relay input as it does
-on XLA), and a program factory that logs each call's signature: a signature first seen after warm-up
-is a program XLA would have compiled while serving. Runs in the main environment, in seconds.
+A compiling device (XLA, Neuron) builds one program per input signature. Here the CPU plays one, through
+the engine's runtime seam (`runtime_factory`): the accelerator backend on the CPU built with ops that say
+they compile per shape (so the worker pads the relay input as it does on XLA), over the engine's own
+programs wrapped to log each call's signature: a signature first seen after warm-up is a program XLA
+would have compiled while serving. Runs in the main environment, in seconds.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from support.workloads import drive, random_workload
 
 from neuron_async_sm import LLM
-from neuron_async_sm.engine import core
+from neuron_async_sm.runtime import DeviceKind, Program, ProgramFactory, RuntimeConfig, WarmupCall
 from neuron_async_sm.runtime.accelerator_runtime import AcceleratorOps
+from neuron_async_sm.runtime.local_runtime import LocalRuntime
 from neuron_async_sm.worker.model_runner import RELAY_PAD_PROGRAM
 
 SHAPES = dict(
@@ -30,36 +34,59 @@ SHAPES = dict(
 Signature = tuple[str, tuple[tuple[str, tuple[int, ...], torch.dtype], ...]]
 
 
-class SignatureLoggingFactory(core.StepProgramFactory):
-    """The engine's programs, each call logging (program, input names, shapes, dtypes) to `calls`."""
+class CompilingAcceleratorOps(AcceleratorOps):
+    """The accelerator backend (on this machine, the CPU) as a device that compiles one program per shape."""
 
-    calls: list[Signature] = []
+    compiles = True
 
-    def __call__(self, device: torch.device) -> dict:
-        def logged(name: str, program):
+
+@dataclass(frozen=True)
+class SignatureLoggingPrograms:
+    """``inner``'s programs, each call logging (program, input names, shapes, dtypes) to ``calls``."""
+
+    inner: ProgramFactory
+    calls: list[Signature]
+
+    def __call__(self, device: torch.device) -> Mapping[str, Program]:
+        def logged(name: str, program: Program) -> Program:
             def call(**inputs: torch.Tensor) -> torch.Tensor:
-                shapes = tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in inputs.items()))
-                SignatureLoggingFactory.calls.append((name, shapes))
+                self.calls.append((name, tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in inputs.items()))))
                 return program(**inputs)
 
             return call
 
-        return {name: logged(name, program) for name, program in super().__call__(device).items()}
+        return {name: logged(name, program) for name, program in self.inner(device).items()}
 
 
-def test_serving_with_the_relay_enqueues_no_signature_warm_up_did_not(monkeypatch):
-    monkeypatch.setattr(AcceleratorOps, "compiles", True)
-    monkeypatch.setattr(core, "StepProgramFactory", SignatureLoggingFactory)
-    monkeypatch.setattr(SignatureLoggingFactory, "calls", [])
+@dataclass
+class SignatureLog:
+    """A ``RuntimeFactory`` (the engine's runtime seam): the compiling accelerator, its calls in ``calls``."""
+
+    calls: list[Signature] = field(default_factory=list)
+
+    def __call__(
+        self, device: str, programs: ProgramFactory, *, warmup: Sequence[WarmupCall] = (), **settings
+    ) -> LocalRuntime:
+        config = RuntimeConfig(device=DeviceKind.parse(device), **settings)
+        assert config.device is DeviceKind.ACCELERATOR, config
+        return LocalRuntime(
+            CompilingAcceleratorOps(None), SignatureLoggingPrograms(programs, self.calls), config, warmup
+        )
+
+
+def test_serving_with_the_relay_enqueues_no_signature_warm_up_did_not():
+    log = SignatureLog()
     rng = random.Random(4321)
     workloads = [random_workload(rng, f"w{n}", max_prompt=40) for n in range(4)]
-    with LLM("tiny-llama", device="accelerator", async_scheduling=True, **SHAPES) as llm:
-        warmed = set(SignatureLoggingFactory.calls)
+    with LLM("tiny-llama", device="accelerator", async_scheduling=True, runtime_factory=log, **SHAPES) as llm:
+        warmed = set(log.calls)
+        started = len(log.calls)  # calls from here on are serving's
         for items in workloads:
             drive(llm, items, aborts=True)
         stats = llm.stats()
-    served = set(SignatureLoggingFactory.calls)
+    served = set(log.calls[started:])
+    assert warmed, "warm-up ran no program"
     assert stats["state_counts"]["Relay"] > 0, stats  # the relay is on (the default) and churn relays
-    assert any(name == RELAY_PAD_PROGRAM for name, _ in served), "the relay input was not padded"
+    assert any(name == RELAY_PAD_PROGRAM for name, _ in served), "serving did not pad the relay input"
     assert served - warmed == set(), "serving enqueued a signature warm-up did not compile"
     assert stats["compilations"] == 0  # the key is there on a compiling device

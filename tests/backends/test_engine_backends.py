@@ -7,6 +7,8 @@ each program once per test process and later engines find it cached.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from support.workloads import drive, random_workload
 from test_async_scenarios import PATHS, SCENARIOS, relayed, run
 
 from neuron_async_sm import LLM, SamplingParams
-from neuron_async_sm.engine import core
+from neuron_async_sm.runtime import DeviceRuntime, Program, ProgramFactory, create_runtime
 from neuron_async_sm.worker.model_runner import STEP_PROGRAM
 
 SHAPES = dict(
@@ -74,25 +76,34 @@ def test_scenario_paths_and_counters(backend, tmp_path, name, relay):
     assert stats.get("compilations", 0) == 0, "a program was compiled while serving: warm-up missed a shape"
 
 
-class Int64TokensFactory(core.StepProgramFactory):
-    """The engine's programs, but the sampled tokens come back int64: a device's own integer width."""
+@dataclass(frozen=True)
+class Int64TokensPrograms:
+    """Picklable program factory: ``inner``'s programs, but the sampled tokens come back int64 (a device's
+    own integer width)."""
 
-    def __call__(self, device: torch.device) -> dict:
-        programs = super().__call__(device)
+    inner: ProgramFactory
+
+    def __call__(self, device: torch.device) -> Mapping[str, Program]:
+        programs = dict(self.inner(device))
         step = programs[STEP_PROGRAM]
         programs[STEP_PROGRAM] = lambda **inputs: step(**inputs).long()
         return programs
 
 
-def test_a_future_of_another_dtype_never_stands_in_for_input_ids(backend, monkeypatch):
+def int64_tokens_runtime(device: str, programs: ProgramFactory, **settings) -> DeviceRuntime:
+    """A ``RuntimeFactory`` (the engine's runtime seam): the backend ``device`` over ``Int64TokensPrograms``."""
+    return create_runtime(device, Int64TokensPrograms(programs), **settings)
+
+
+def test_a_future_of_another_dtype_never_stands_in_for_input_ids(backend):
     if backend.name in ("cpu", "cpu-inprocess"):
         pytest.skip("the emulated device insists on the requested dtype (its futures never differ)")
     prompts = [[5 + i, 6, 7, 8] for i in range(3)]
     params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=7)
     with engine(backend, async_scheduling=False) as sync_llm:
         reference = [o.output_token_ids for o in sync_llm.generate(prompts, params)]
-    monkeypatch.setattr(core, "StepProgramFactory", Int64TokensFactory)
-    with engine(backend, async_scheduling=True, async_relay=False) as async_llm:  # the machine's own fallbacks
+    widened = dict(async_scheduling=True, async_relay=False, runtime_factory=int64_tokens_runtime)
+    with engine(backend, **widened) as async_llm:  # async_relay off: the machine's own fallbacks
         got = [o.output_token_ids for o in async_llm.generate(prompts, params)]
         stats = async_llm.stats()
     assert got == reference
