@@ -104,7 +104,7 @@ def check_churn(llm: LLM, reference: LLM, mode: dict) -> None:
 )  # CompositionBreak and ReorderRemap: the non-output rank reads nothing
 def test_scenario_counters_are_the_same_at_tp2(tmp_path, name, relay):
     requests, config, design = SCENARIOS[name]
-    expected = relayed(design) if relay else design
+    expected = relayed(name, design) if relay else design
     paths, outputs, stats = run(tmp_path, requests, async_relay=relay, device="cpu", tensor_parallel_size=2, **config)
     assert paths == expected
     async_steps = expected.count(S) + expected.count(R)
