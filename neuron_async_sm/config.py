@@ -78,7 +78,7 @@ class EngineConfig:
         object.__setattr__(self, "decode_buckets", _buckets("decode_buckets", self.decode_buckets))
         object.__setattr__(self, "prefill_buckets", _buckets("prefill_buckets", self.prefill_buckets))
         if self.device not in DEVICES:
-            raise ConfigError(f"device: unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
+            raise ConfigError(f"device: unknown device {self.device!r}; choose one of {', '.join(map(repr, DEVICES))}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         _positive("max_num_seqs", self.max_num_seqs)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from support.toy_programs import ToyPrograms
 
-from neuron_async_sm.runtime import RuntimeConfig, TensorSpec
+from neuron_async_sm.config import DEVICES, ConfigError, EngineConfig
+from neuron_async_sm.runtime import RuntimeConfig, TensorSpec, create_runtime
 from neuron_async_sm.runtime.config import DeviceKind
 from neuron_async_sm.runtime.device_loop import DeviceLoop
 from neuron_async_sm.runtime.messages import (
@@ -55,12 +56,28 @@ def test_tensor_spec_rejects_bad_fields() -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
-    [("queue_depth", 0), ("device_time_ms", -1.0), ("num_threads", 0), ("close_grace_s", -1.0)],
+    ("setting", "value", "field"),
+    [
+        ("queue_depth", 0, "runtime_queue_depth"),
+        ("device_time_ms", -1.0, "device_time_ms"),
+        ("num_threads", 0, "device_threads"),
+        ("device_timeout_s", float("nan"), "device_timeout_s"),
+        ("device_cpu", 0, "device_cpu"),  # pinning needs the device process, not a thread
+    ],
 )
-def test_runtime_config_names_the_bad_field(field: str, value: float) -> None:
-    with pytest.raises(ValueError, match=field):
-        RuntimeConfig(device=DeviceKind.THREAD, **{field: value})
+def test_create_runtime_rejects_a_bad_setting_naming_the_engine_config_field(setting, value, field) -> None:
+    with pytest.raises(ConfigError, match=f"^{field}: "):  # validated by EngineConfig, the one place
+        create_runtime("cpu-inprocess", ToyPrograms(), **{setting: value})
+
+
+def test_runtime_config_is_the_engine_configs_runtime_share() -> None:
+    assert {kind.value for kind in DeviceKind} == set(DEVICES)
+    engine = EngineConfig(
+        device="cpu-inprocess", runtime_queue_depth=3, device_time_ms=1.5, device_threads=2, device_timeout_s=7.0
+    )
+    assert RuntimeConfig.of(engine) == RuntimeConfig(
+        DeviceKind.THREAD, queue_depth=3, device_time_ms=1.5, num_threads=2, device_cpu=None, device_timeout_s=7.0
+    )
 
 
 class ScriptedChannel:

@@ -67,7 +67,7 @@ class SignatureLog:
     def __call__(
         self, device: str, programs: ProgramFactory, *, warmup: Sequence[WarmupCall] = (), **settings
     ) -> LocalRuntime:
-        config = RuntimeConfig(device=DeviceKind.parse(device), **settings)
+        config = RuntimeConfig(device=DeviceKind(device), **settings)  # the engine's settings, already validated
         assert config.device is DeviceKind.ACCELERATOR, config
         return LocalRuntime(
             CompilingAcceleratorOps(None), SignatureLoggingPrograms(programs, self.calls), config, warmup

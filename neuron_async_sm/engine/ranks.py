@@ -18,7 +18,6 @@ from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.errors import NeuronAsyncSMError
 from neuron_async_sm.model.parallel import TensorParallelGroup
 from neuron_async_sm.runtime import (
-    DeviceKind,
     DeviceRuntime,
     ProgramFactory,
     RuntimeConfig,
@@ -120,13 +119,7 @@ def _start_ray_ranks(
         host, _ = ray.get(actors[0].describe.remote(), timeout=timeout)
         port = ray.get(actors[0].free_port.remote(), timeout=timeout)  # free on rank 0's node, not ours
         groups = [TensorParallelGroup(rank, size, port, timeout, host=host) for rank in range(size)]
-    runtime_config = RuntimeConfig(
-        device=DeviceKind.PROCESS,
-        queue_depth=config.runtime_queue_depth,
-        device_time_ms=config.device_time_ms,
-        num_threads=config.device_threads,
-        device_timeout_s=config.device_timeout_s,
-    )
+    runtime_config = RuntimeConfig.of(config)  # device 'cpu' (the process backend): EngineConfig requires it for Ray
 
     def start(rank: int) -> DeviceRuntime:
         channel = RayChannel(

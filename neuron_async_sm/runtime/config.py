@@ -1,15 +1,16 @@
-"""Runtime configuration, validated once at construction."""
+"""Runtime configuration: a plain value derived from an `EngineConfig`, which validated it."""
 
 from __future__ import annotations
 
 import enum
-import math
 import os
 from dataclasses import dataclass
 
+from neuron_async_sm.config import EngineConfig
+
 
 class DeviceKind(enum.Enum):
-    """Where the emulated device runs; the value is the ``device=`` string."""
+    """Where the emulated device runs; the value is the ``device=`` string (one of `config.DEVICES`)."""
 
     PROCESS = "cpu"  # a spawned process: the host and the device overlap like a real accelerator
     THREAD = "cpu-inprocess"  # a thread in this process: same semantics, shares the GIL, fast to start
@@ -17,18 +18,11 @@ class DeviceKind(enum.Enum):
     ACCELERATOR = "accelerator"  # torch.accelerator's device and streams (CPU: synchronous): accelerator_runtime.py
     CUDA = "cuda"  # the accelerator backend, refusing to start unless that device is CUDA
 
-    @staticmethod
-    def parse(device: str) -> DeviceKind:
-        for kind in DeviceKind:
-            if kind.value == device:
-                return kind
-        valid = ", ".join(repr(k.value) for k in DeviceKind)
-        raise ValueError(f"unknown device {device!r}; valid choices: {valid}")
-
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """Everything that shapes a runtime besides its programs."""
+    """Everything that shapes a runtime besides its programs. Not validated here: build it with `of()`
+    from an `EngineConfig`, the one place that validates (its errors name the field)."""
 
     device: DeviceKind
     queue_depth: int = 32  # unfinished programs allowed before enqueue blocks
@@ -41,23 +35,17 @@ class RuntimeConfig:
     device_timeout_s: float = 120.0
     recent_times_kept: int = 1024  # per-program device times kept for medians
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.device, DeviceKind):
-            raise ValueError(f"RuntimeConfig.device must be a DeviceKind, got {self.device!r}")
-        if self.queue_depth < 1:
-            raise ValueError(f"RuntimeConfig.queue_depth must be >= 1, got {self.queue_depth}")
-        if self.device_time_ms < 0:
-            raise ValueError(f"RuntimeConfig.device_time_ms must be >= 0, got {self.device_time_ms}")
-        if self.num_threads < 1:
-            raise ValueError(f"RuntimeConfig.num_threads must be >= 1, got {self.num_threads}")
-        if self.device_cpu is not None and self.device is not DeviceKind.PROCESS:
-            raise ValueError("RuntimeConfig.device_cpu needs the process backend (device='cpu')")
-        if self.close_grace_s < 0:
-            raise ValueError(f"RuntimeConfig.close_grace_s must be >= 0, got {self.close_grace_s}")
-        if not 0 <= self.device_timeout_s < math.inf:  # also rejects NaN
-            raise ValueError(f"RuntimeConfig.device_timeout_s must be >= 0 and finite, got {self.device_timeout_s}")
-        if self.recent_times_kept < 1:
-            raise ValueError(f"RuntimeConfig.recent_times_kept must be >= 1, got {self.recent_times_kept}")
+    @classmethod
+    def of(cls, config: EngineConfig) -> RuntimeConfig:
+        """The runtime's share of a validated engine configuration."""
+        return cls(
+            device=DeviceKind(config.device),
+            queue_depth=config.runtime_queue_depth,
+            device_time_ms=config.device_time_ms,
+            num_threads=config.device_threads,
+            device_cpu=config.device_cpu,
+            device_timeout_s=config.device_timeout_s,
+        )
 
 
 def keep_off_cpu(cpu: int | None) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from neuron_async_sm.config import EngineConfig
+
 from .api import DeviceRuntime, ProgramFactory, WarmupCall
 from .config import DeviceKind, RuntimeConfig
 from .host_runtime import HostRuntime
@@ -45,24 +47,26 @@ def create_runtime(
     is declared hung: killed (a device thread is abandoned), every waiter gets ``DeviceHungError``.
     0 disables the watchdog.
 
-    Raises ``ValueError`` for an unknown device or a bad setting, and
+    The settings are `EngineConfig`'s runtime fields, validated there (the one place): an unknown
+    device or a bad setting raises ``ConfigError`` naming the `EngineConfig` field (``queue_depth``
+    is ``runtime_queue_depth``, ``num_threads`` is ``device_threads``, the others keep their names).
     ``DeviceStartupError`` (with the device-side traceback) if ``programs()`` raises.
     """
-    config = RuntimeConfig(
-        device=DeviceKind.parse(device),
-        queue_depth=queue_depth,
+    settings = EngineConfig(
+        device=device,
+        runtime_queue_depth=queue_depth,
         device_time_ms=device_time_ms,
-        num_threads=num_threads,
+        device_threads=num_threads,
         device_cpu=device_cpu,
         device_timeout_s=device_timeout_s,
     )
-    return create_runtime_from_config(config, programs, warmup)
+    return create_runtime_from_config(RuntimeConfig.of(settings), programs, warmup)
 
 
 def create_runtime_from_config(
     config: RuntimeConfig, programs: ProgramFactory, warmup: Sequence[WarmupCall] = ()
 ) -> DeviceRuntime:
-    """``create_runtime`` for callers that already hold a validated ``RuntimeConfig``."""
+    """``create_runtime`` for callers that already hold a ``RuntimeConfig`` (``RuntimeConfig.of(engine_config)``)."""
     # Real devices are imported lazily: an environment without torch_xla never imports it.
     if config.device is DeviceKind.XLA:
         from .xla_runtime import create_xla_runtime
