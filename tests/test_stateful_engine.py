@@ -434,6 +434,14 @@ class EngineVsReference(RuleBasedStateMachine):
         assert all(r.finish in TERMINAL for r in self.retired)
 
     @invariant()
+    def released_requests_end_within_their_turn(self) -> None:
+        # The relay's early release (`Scheduler._release_slot`) gives a request's KV slot back while its
+        # last token is in flight in the step popped later in the same turn: between turns no request
+        # is left released-but-unfinished (invisible to `running`, so to an abort or a running gauge).
+        released = [r.request_id for r in self.llm.engine.scheduler.releasing]
+        assert not released, f"released requests still unfinished between turns: {released}"
+
+    @invariant()
     def kv_slots_and_scheduler_bounded(self) -> None:
         check_slots(self.llm)
         check_scheduler_bounded(self.llm)
