@@ -1,8 +1,9 @@
 """The worker's per-step async decision as an explicit state machine.
 
 The transition table below is declared once, as data, and beside it each path state's plan (what the
-runner does on that path). Everything else is derived from them: the runtime guard (a `transitions`
-machine), the pure `decide()` used by tests, the runner's step, the state diagram
+runner does on that path). Everything else is derived from them: the runtime guard (a lookup built from
+the table, `ROWS`, which tests check equal to the `transitions` machine over it), the pure `decide()`
+used by tests, the runner's step, the state diagram
 (`neuron-async-sm diagram`) and the cross-check against the TLA+ spec.
 
 Between steps the machine rests in one of two states:
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
 
-from transitions import Machine
+from transitions import Machine, MachineError
 
 IDLE = "Idle"
 REINSTATE = "Reinstate"
@@ -90,7 +91,9 @@ def relay_covers(obs: StepObservation) -> bool:
     return obs.relay and (composition_changed(obs) or shape_mismatch(obs) or order_changed(obs))
 
 
-CONDITIONS: dict[str, Callable[[StepObservation], bool]] = {
+Predicate = Callable[[StepObservation], bool]
+
+CONDITIONS: dict[str, Predicate] = {
     "relay_covers": relay_covers,
     "composition_changed": composition_changed,
     "shape_mismatch": shape_mismatch,
@@ -144,22 +147,46 @@ PLANS: Mapping[str, StepPlan] = MappingProxyType({
 })  # fmt: skip
 
 
+def _compile(transitions: tuple[dict, ...]) -> Mapping[tuple[str, str], tuple[tuple[Predicate | None, str], ...]]:
+    """TRANSITIONS as a lookup: (trigger, source) -> that trigger's rows from that source, in table
+    order, each (its condition's predicate or None, dest). The first row whose predicate holds wins."""
+    table: dict[tuple[str, str], list[tuple[Predicate | None, str]]] = {}
+    for row in transitions:
+        sources = row["source"] if isinstance(row["source"], list) else [row["source"]]
+        predicate = CONDITIONS[row["conditions"]] if "conditions" in row else None
+        for source in sources:
+            table.setdefault((row["trigger"], source), []).append((predicate, row["dest"]))
+    return MappingProxyType({key: tuple(rows) for key, rows in table.items()})
+
+
+# Derived from TRANSITIONS alone, once: the runtime guard's and decide()'s table (the hot path of
+# every step: one dict lookup and the predicates, instead of a `transitions` event dispatch).
+ROWS = _compile(TRANSITIONS)
+
+
+def _dest(trigger: str, source: str, obs: StepObservation | None) -> str:
+    """The state `trigger` leads to from `source`; MachineError where the table has no such edge."""
+    rows = ROWS.get((trigger, source))
+    if rows is None:
+        raise MachineError(f"Can't trigger event {trigger} from state {source}!")
+    for predicate, dest in rows:
+        if predicate is None or predicate(obs):  # type: ignore[arg-type]  # conditions are step's only
+            return dest
+    raise AssertionError(f"transition table has no unconditional {trigger} from {source}")
+
+
 def decide(obs: StepObservation) -> str:
     """The path state a step takes, derived from TRANSITIONS alone (pure; no machine, no torch)."""
-    source = REINSTATE if obs.has_pending else IDLE
-    for row in TRANSITIONS:
-        if row["trigger"] == "step" and row["source"] == source:
-            condition = row.get("conditions")
-            if condition is None or CONDITIONS[condition](obs):
-                return row["dest"]
-    raise AssertionError(f"transition table has no step from {source}")
+    return _dest("step", REINSTATE if obs.has_pending else IDLE, obs)
 
 
 class AsyncStepMachine:
-    """The runtime guard: a `transitions` machine over TRANSITIONS, with step counters.
+    """The runtime guard over TRANSITIONS (its lookup, `ROWS`), with step counters.
 
     Its three calls are the table's triggers: `step(obs)`, `reinstate()`, `drain()`. Illegal triggers
-    raise `transitions.MachineError` and leave the state unchanged.
+    raise `transitions.MachineError` and leave the state unchanged. It behaves as the `transitions`
+    machine over the same table (`reference_machine()`; checked equal in tests/test_async_machine_lookup.py),
+    at a tenth of its cost per step.
     """
 
     def __init__(self, on_transition: Callable[[str, str, str], None] | None = None) -> None:
@@ -167,28 +194,18 @@ class AsyncStepMachine:
         self.sync_fallback_steps = 0
         self.state_counts: dict[str, int] = {s: 0 for s in PATH_STATES}
         self._on_transition = on_transition
-        # The transitions machine is its own model: it holds the state and the bound triggers, so
-        # this class's methods can carry the triggers' own names.
-        self.machine = Machine(
-            states=list(STATES),
-            transitions=[_machine_row(row) for row in TRANSITIONS],
-            initial=IDLE,
-            auto_transitions=False,
-            send_event=True,
-            after_state_change=self._after_state_change,
-        )
+        self._state = IDLE
 
     @property
     def state(self) -> str:
-        return self.machine.state
+        return self._state
 
     def step(self, obs: StepObservation) -> str:
         """Fire `step` with the observation; return the path state and count the step."""
-        source = self.state
+        source = self._state
         if source in (IDLE, REINSTATE) and (source == REINSTATE) != obs.has_pending:
             raise ValueError(f"observation has_pending={obs.has_pending} contradicts machine state {source}")
-        self.machine.step(obs=obs)  # type: ignore[attr-defined]  # trigger added by transitions
-        path = self.state
+        path = self._fire("step", obs)
         self.state_counts[path] += 1
         if path in ASYNC_STATES:
             self.async_steps += 1
@@ -197,10 +214,10 @@ class AsyncStepMachine:
         return path
 
     def reinstate(self) -> None:
-        self.machine.reinstate()  # type: ignore[attr-defined]
+        self._fire("reinstate")
 
     def drain(self) -> None:
-        self.machine.drain()  # type: ignore[attr-defined]
+        self._fire("drain")
 
     def counters(self) -> dict:
         return {
@@ -209,9 +226,24 @@ class AsyncStepMachine:
             "state_counts": dict(self.state_counts),
         }
 
-    def _after_state_change(self, event) -> None:
+    def _fire(self, trigger: str, obs: StepObservation | None = None) -> str:
+        source = self._state
+        self._state = dest = _dest(trigger, source, obs)  # raises before the state changes
         if self._on_transition is not None:
-            self._on_transition(event.event.name, event.transition.source, event.transition.dest)
+            self._on_transition(trigger, source, dest)
+        return dest
+
+
+def reference_machine(initial: str = IDLE) -> Machine:
+    """The `transitions` machine over TRANSITIONS (its own model; triggers take `obs=`): the library's
+    reading of the table, which the runtime guard must match (tests) and the diagram draws."""
+    return Machine(
+        states=list(STATES),
+        transitions=[_machine_row(row) for row in TRANSITIONS],
+        initial=initial,
+        auto_transitions=False,
+        send_event=True,
+    )
 
 
 def _machine_row(row: dict) -> dict:
