@@ -7,9 +7,9 @@ with `TraceAsyncScheduling`, reporting how many events it matched.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
+import subprocess
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 from support.faulty_runtime import faulty_runtime
-from support.workloads import drive, random_workload
+from support.mutants import mutant_env, mutant_package
+from support.processes import config_flags, generate_argv
+from support.workloads import drive, prompt_lines, random_workload
 from tlc import PARALLEL_RUNS
 from trace_check import POISON_TOKEN, TraceVerdict, check_trace, engine_threads, logged_events, read_trace
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.worker import async_machine as sm
-from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput, StepSnapshot
-from neuron_async_sm.worker.model_runner import ModelRunner
 
 ENGINE = dict(
     dtype="float64",
@@ -188,20 +188,34 @@ def test_a_trace_whose_counters_differ_from_the_spec_fails_engine_counters(recor
     assert verdict.rejected_event == wrong[i], verdict.describe()
 
 
-def test_trace_of_an_engine_writing_back_by_current_row_fails_an_invariant(tlc_available, tmp_path, monkeypatch):
+def record_mutant(root: Path, seed: int, **overrides: object) -> list[dict]:
+    """Run seed's workload (without its aborts: the CLI has none) through the real CLI on the mutant
+    package at `root`, in its own process; return the `--trace` it wrote."""
+    folder = root / f"seed{seed}"
+    folder.mkdir()
+    prompts, trace = folder / "in.jsonl", folder / "trace.ndjson"
+    items = random_workload(random.Random(seed), f"s{seed}")
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in prompt_lines(items)), encoding="utf-8")
+    flags = ["--trace", trace, "--no-progress", *config_flags(async_scheduling=True, **{**ENGINE, **overrides})]
+    argv = generate_argv(prompts, folder / "out.jsonl", *flags)
+    proc = subprocess.run(argv, cwd=folder, env=mutant_env(root), capture_output=True, text=True, timeout=240)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: a request failed; the trace is still whole
+    return read_trace(trace)
+
+
+def test_trace_of_an_engine_writing_back_by_current_row_fails_an_invariant(tlc_available, tmp_path):
     """A held-out mutant, run for real: the write-back addresses rows by their current order, not by
     the snapshot. Its trace is rejected by an invariant on the first input that reads a misplaced token."""
-    write_back = ModelRunner._write_back
-
-    def by_current_row(self, snapshot, tokens):  # the mutant
-        rows = tuple(self.batch.req_ids)[: len(snapshot.req_ids)]
-        owners = rows + snapshot.req_ids[len(rows) :]
-        write_back(self, StepSnapshot(snapshot.step_id, owners, snapshot.sample_positions), tokens)
-
-    monkeypatch.setattr(ModelRunner, "_write_back", by_current_row)
-    for seed in SEEDS:
-        events, _ = record(tmp_path / f"by-row{seed}.ndjson", seed, async_relay=False)
-        verdict = check_trace(events)
+    root = mutant_package(
+        tmp_path,
+        "worker/model_runner.py",
+        "            self.batch.write_tokens(snapshot.req_ids, snapshot.sample_positions, tokens)\n",
+        "            rows = tuple(self.batch.req_ids)[: len(snapshot.req_ids)]  # MUTANT: by current row\n"
+        "            owners = rows + snapshot.req_ids[len(rows) :]\n"
+        "            self.batch.write_tokens(owners, snapshot.sample_positions, tokens)\n",
+    )
+    for seed in (6, 5, 9, 12, 13):  # SEEDS, 6 first: without its aborts, seed 5's run reads no misplaced token
+        verdict = check_trace(record_mutant(root, seed, async_relay=False))
         if not verdict.accepted:
             break
     else:
@@ -249,11 +263,16 @@ def test_trace_of_an_engine_killed_by_a_failing_program_is_a_behaviour_of_the_sp
     assert verdict.accepted, verdict.describe()
 
 
-def test_trace_of_an_engine_without_the_get_output_lock_is_rejected(tlc_available, tmp_path, monkeypatch):
-    # Test-only hook: get_output() without its lock. Both threads then materialize one output.
-    monkeypatch.setattr(AsyncModelRunnerOutput, "lock_factory", contextlib.nullcontext)
+def test_trace_of_an_engine_without_the_get_output_lock_is_rejected(tlc_available, tmp_path):
+    # The mutant: get_output() without its lock. Both threads then materialize one output.
+    root = mutant_package(
+        tmp_path,
+        "worker/async_output.py",
+        "self._lock = threading.Lock()",
+        "self._lock = __import__('contextlib').nullcontext()  # MUTANT: no lock",
+    )
     for seed in SEEDS:  # relay off: only a break or a rebuild materializes on the main thread
-        events, _ = record(tmp_path / f"broken{seed}.ndjson", seed, device_time_ms=5, async_relay=False)
+        events = record_mutant(root, seed, device_time_ms=5, async_relay=False)
         per_step = Counter(e["step"] for e in events if e["event"] == "Materialize")
         if max(per_step.values(), default=0) > 1:
             break

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -38,10 +36,6 @@ class AsyncModelRunnerOutput:
     other gets the same result.
     """
 
-    # Test-only hook: model_check swaps in contextlib.nullcontext to record a broken run's trace,
-    # which the TLA+ spec must reject. Never change it elsewhere.
-    lock_factory: ClassVar[Callable[[], AbstractContextManager]] = threading.Lock
-
     def __init__(
         self,
         snapshot: StepSnapshot,
@@ -56,7 +50,7 @@ class AsyncModelRunnerOutput:
         self._future: DeviceFuture | None = future
         self._write_back = write_back
         self._tracer = tracer
-        self._lock = self.lock_factory()
+        self._lock = threading.Lock()
         self._result: ModelRunnerOutput | None = None
         self._error: BaseException | None = None
         self.materialize_count = 0  # how many times the transfer + write-back ran (must stay <= 1)

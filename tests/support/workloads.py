@@ -70,3 +70,22 @@ def drive(llm: LLM, items: list[WorkItem], *, aborts: bool = True, max_turns: in
                 result.finish[d.request_id] = d.finish_reason
         result.deltas_per_turn.append(len(turn.deltas))
     return result
+
+
+def prompt_lines(items: list[WorkItem]) -> list[dict]:
+    """`items` as `generate`'s input lines (arrival turns kept; the CLI cannot abort, so aborts are not)."""
+    return [
+        {
+            "request_id": w.request_id,
+            "prompt_token_ids": w.prompt,
+            "max_tokens": w.params.max_tokens,
+            "temperature": w.params.temperature,
+            "top_k": w.params.top_k,
+            "top_p": w.params.top_p,
+            "seed": w.params.seed,
+            "stop_token_ids": list(w.params.stop_token_ids),
+            "ignore_eos": w.params.ignore_eos,
+            "arrival_step": w.arrival_turn,
+        }
+        for w in items
+    ]
