@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.processes import generate_argv
 
 from neuron_async_sm.cli import build_parser, main
 from neuron_async_sm.worker.async_machine import PATH_STATES
@@ -44,10 +44,8 @@ def run_cli(*argv: str) -> int:
 def generate(tmp_path: Path, rows: list, *extra: str, name: str = "out", top: tuple = ()) -> list[dict]:
     prompts = write_jsonl(tmp_path / f"{name}.in.jsonl", rows)
     out = tmp_path / f"{name}.jsonl"
-    args = [*top, "generate", "--prompts", prompts, "--output", out, "--no-progress", *extra]
-    if "--device" not in extra:
-        args += ["--device", "cpu-inprocess"]
-    assert run_cli(*args) == 0
+    device = () if "--device" in extra else ("--device", "cpu-inprocess")
+    assert run_cli(*generate_argv(prompts, out, "--no-progress", *extra, *device, top=top, process=False)) == 0
     return read_jsonl(out)
 
 
@@ -55,23 +53,7 @@ def test_generate_end_to_end_with_device_process_writes_outputs_stats_and_trace(
     prompts = write_jsonl(tmp_path / "in.jsonl", [*REQUESTS, "not json"])
     out, stats, trace = tmp_path / "out" / "o.jsonl", tmp_path / "s.json", tmp_path / "t.ndjson"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "neuron_async_sm",
-            "generate",
-            "--model",
-            "tiny-llama",
-            "--prompts",
-            str(prompts),
-            "--output",
-            str(out),
-            "--stats",
-            str(stats),
-            "--trace",
-            str(trace),
-            "--no-progress",
-        ],
+        generate_argv(prompts, out, "--model", "tiny-llama", "--stats", stats, "--trace", trace, "--no-progress"),
         cwd=REPO,
         capture_output=True,
         text=True,

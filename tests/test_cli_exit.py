@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.processes import device_pid, process_gone
+from support.processes import device_pid, generate_argv, process_gone
 
 REPO = Path(__file__).resolve().parents[1]
 LONG = {"max_tokens": 400, "ignore_eos": True}  # long enough that a fault lands mid-run
@@ -34,20 +34,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def start_cli(tmp_path: Path, rows: list, *extra: str) -> tuple[subprocess.Popen, Path]:
     prompts = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out" / "results.jsonl"
-    argv = [
-        sys.executable,
-        "-m",
-        "neuron_async_sm",
-        "generate",
-        "--prompts",
-        str(prompts),
-        "--output",
-        str(out),
-        "--no-progress",
-        "--max-model-len",
-        "512",
-        *extra,
-    ]
+    argv = generate_argv(prompts, out, "--no-progress", "--max-model-len", "512", *extra)
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, out
 
@@ -133,19 +120,7 @@ def test_an_unwritable_output_path_fails_before_the_device_starts(tmp_path):
     prompts = write_jsonl(tmp_path / "in.jsonl", requests(1, max_tokens=3))
     trace = tmp_path / "trace.ndjson"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "neuron_async_sm",
-            "generate",
-            "--prompts",
-            str(prompts),
-            "--output",
-            str(blocker / "out.jsonl"),
-            "--trace",
-            str(trace),
-            "--no-progress",
-        ],
+        generate_argv(prompts, blocker / "out.jsonl", "--trace", trace, "--no-progress"),
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.processes import generate_argv
 
 from neuron_async_sm import LLM, ConfigError, EngineConfig
 from neuron_async_sm.cli import main
@@ -128,7 +128,7 @@ def prompts(tmp_path) -> Path:
 
 
 def test_cli_bad_engine_flags_exit_2_with_one_error_line(tmp_path, prompts, capsys):
-    base = ["generate", "--prompts", prompts, "--output", tmp_path / "o.jsonl", "--device", "cpu-inprocess"]
+    base = generate_argv(prompts, tmp_path / "o.jsonl", "--device", "cpu-inprocess", process=False)
     line = cli_error(capsys, *base, "--max-num-seqs", "16")
     assert line.startswith("error: decode_buckets:") and "add a bucket >= 16" in line
     line = cli_error(capsys, *base, "--max-num-batched-tokens", "512")
@@ -147,7 +147,7 @@ def test_cli_bad_engine_flags_exit_2_with_one_error_line(tmp_path, prompts, caps
 
 
 def test_cli_bad_model_exits_2_with_one_error_line(tmp_path, prompts, capsys):
-    base = ["generate", "--prompts", prompts, "--output", tmp_path / "o.jsonl", "--device", "cpu-inprocess"]
+    base = generate_argv(prompts, tmp_path / "o.jsonl", "--device", "cpu-inprocess", process=False)
     line = cli_error(capsys, *base, "--model", tmp_path / "missing")
     assert line.startswith("error: model ") and "never downloaded" in line
     line = cli_error(capsys, *base, "--model", tmp_path)
@@ -158,28 +158,16 @@ def test_cli_bad_model_exits_2_with_one_error_line(tmp_path, prompts, capsys):
 
 
 def test_cli_unreadable_prompts_file_exits_2_with_one_error_line(tmp_path, capsys):
-    line = cli_error(capsys, "generate", "--prompts", tmp_path / "none.jsonl", "--output", tmp_path / "o.jsonl")
+    line = cli_error(capsys, *generate_argv(tmp_path / "none.jsonl", tmp_path / "o.jsonl", process=False))
     assert line.startswith("error: ") and "none.jsonl" in line
-    line = cli_error(capsys, "generate", "--prompts", tmp_path, "--output", tmp_path / "o.jsonl")
+    line = cli_error(capsys, *generate_argv(tmp_path, tmp_path / "o.jsonl", process=False))
     assert line.startswith("error: ") and str(tmp_path) in line
 
 
 def test_cli_config_error_end_to_end_prints_no_traceback(tmp_path, prompts):
     model_dir = write_config_only_checkpoint(tmp_path / "config-only")
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "neuron_async_sm",
-            "generate",
-            "--prompts",
-            str(prompts),
-            "--output",
-            str(tmp_path / "o.jsonl"),
-            "--model",
-            str(model_dir),
-            "--no-progress",
-        ],
+        generate_argv(prompts, tmp_path / "o.jsonl", "--model", model_dir, "--no-progress"),
         cwd=REPO,
         capture_output=True,
         text=True,

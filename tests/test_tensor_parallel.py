@@ -12,13 +12,12 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from support.processes import process_gone
+from support.processes import generate_argv, process_gone
 from support.workloads import drive, random_workload
 from test_async_scenarios import PATHS, SCENARIOS, R, S, relayed, run
 
@@ -114,8 +113,9 @@ def test_scenario_counters_are_the_same_at_tp2(tmp_path, name, relay):
 
 
 def generate(checkpoint: Path, prompts: Path, out: Path, *flags: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "neuron_async_sm", "generate", "--model", str(checkpoint), "--prompts", str(prompts)]
-    cmd += ["--output", str(out), "--dtype", "float64", "--max-model-len", "64", "--no-progress", *flags]
+    cmd = generate_argv(
+        prompts, out, "--model", checkpoint, "--dtype", "float64", "--max-model-len", "64", "--no-progress", *flags
+    )
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in out.read_text().splitlines()]
