@@ -17,6 +17,10 @@ import numpy as np
 
 from neuron_async_sm.sampling_params import SamplingParams
 
+SCALAR_WRITE_MAX_ROWS = 32
+"""Write-backs of up to this many rows write row by row; larger ones as one numpy scatter. Measured
+(thread CPU time, hot loop): rows 0.55 / 1.8 / 6.5 µs at 1 / 8 / 32 rows, the scatter 5.1 / 6.3 / 8.8 µs."""
+
 POISON_TOKEN = -1
 """Stands in for a token that exists only in a device future. A CPU-built input holding it is stale;
 the device rejects it, so a stale input can never be computed on silently."""
@@ -100,12 +104,16 @@ class InputBatch:
         self.top_k = np.zeros(max_num_seqs, dtype=np.int32)  # [slots]
         self.top_p = np.ones(max_num_seqs, dtype=np.float32)  # [slots]
         self.seeds = np.zeros(max_num_seqs, dtype=np.int64)  # [slots]
+        # The padded per-row inputs of the last rows built (model_input.RowInputs), reused while the
+        # same requests run in the same rows at the same padding; dropped on every add or remove.
+        self.row_inputs_cache: object | None = None
 
     def update(self, removed: frozenset[str], added: list[CachedRequestState]) -> None:
         """Remove finished requests, add new ones, condense. O(1) when nothing changes."""
         removed = frozenset(r for r in removed if r in self.requests)
         if not removed and not added:
             return
+        self.row_inputs_cache = None
         self.req_ids = next_row_order(self.req_ids, removed, [s.request_id for s in added])
         for req_id in removed:
             self.requests.pop(req_id)._batch = None
@@ -142,15 +150,33 @@ class InputBatch:
         return tuple(r for r, k in zip(self.req_ids, keep.tolist(), strict=True) if k), self.row_slots[keep]
 
     def write_tokens(self, req_ids: tuple[str, ...], positions: tuple[int | None, ...], tokens: list[int]) -> None:
-        """Record sampled tokens: row i's at positions[i] of request req_ids[i]; one scatter.
+        """Record sampled tokens: row i's at positions[i] of request req_ids[i].
 
         Hazard: token ownership. Addressed by request id, never by row: rows move between steps. A
         request no longer here (finished, aborted) is skipped, so its recycled KV slot never receives
         a token sampled for the slot's previous owner. None positions (partial prefill) sample nothing.
-        Idempotent: rewriting the same positions is harmless.
+        Idempotent: rewriting the same positions is harmless. A few rows are written one by one (the
+        scatter's dozen numpy calls cost more than they do), more as one scatter; the same writes.
         """
         n = len(req_ids)
         assert len(positions) == len(tokens) == n, (n, len(positions), len(tokens))
+        if n <= SCALAR_WRITE_MAX_ROWS:
+            self._write_rows(req_ids, positions, tokens)
+        else:
+            self._scatter(req_ids, positions, tokens)
+
+    def _write_rows(self, req_ids: tuple[str, ...], positions: tuple[int | None, ...], tokens: list[int]) -> None:
+        slot_of, token_ids, num_tokens = self._slot_of, self.token_ids, self.num_tokens
+        for req_id, at, token in zip(req_ids, positions, tokens, strict=True):
+            slot = slot_of.get(req_id)
+            if slot is None or at is None:  # gone (token ownership), or a partial prefill
+                continue
+            token_ids[slot, at] = token
+            if num_tokens[slot] <= at:
+                num_tokens[slot] = at + 1
+
+    def _scatter(self, req_ids: tuple[str, ...], positions: tuple[int | None, ...], tokens: list[int]) -> None:
+        n = len(req_ids)
         slots = np.fromiter(map(self._slot_of.get, req_ids, repeat(-1, n)), np.int64, n)  # [n]; -1: gone
         at = np.array(positions, dtype=np.float64)  # [n]; None -> nan
         values = np.asarray(tokens, dtype=np.int32)  # [n]

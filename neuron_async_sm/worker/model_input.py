@@ -85,6 +85,52 @@ def padded_input_shape(config: EngineConfig, scheduled: SchedulerOutput) -> tupl
     return (num_rows, config.prefill_bucket(max(scheduled.num_scheduled_tokens.values())))
 
 
+@dataclass(frozen=True)
+class RowInputs:
+    """The padded inputs fixed by which request runs in which row: the same on every step until a
+    request joins or leaves (sampling parameters and KV slots never change during a request's life).
+    Shared by consecutive steps' ModelInputs: never written after it is built (every runtime copies
+    its inputs at enqueue)."""
+
+    req_ids: tuple[str, ...]  # the rows it was built for
+    num_padded: int  # B
+    num_prompt: np.ndarray  # int64 [R]
+    decode_query_lens: torch.Tensor  # int32 [B]: 1 per real row, 0 per padding row
+    slot_ids: torch.Tensor  # int32 [B]; padding rows use the scratch slot
+    temperature: torch.Tensor  # float32 [B]
+    top_k: torch.Tensor  # int32 [B]
+    top_p: torch.Tensor  # float32 [B]
+    seeds: torch.Tensor  # int64 [B]
+
+
+def _padded(values: np.ndarray, num_padded: int, fill: float, dtype: type) -> torch.Tensor:
+    out = np.full(num_padded, fill, dtype=dtype)  # [B]
+    out[: len(values)] = values
+    return torch.from_numpy(out)
+
+
+def row_inputs(
+    config: EngineConfig, batch: InputBatch, req_ids: tuple[str, ...], slots: np.ndarray, num_padded: int
+) -> RowInputs:
+    """The step's RowInputs: the batch's cached ones when the rows and the padding are the same."""
+    cached = batch.row_inputs_cache
+    if isinstance(cached, RowInputs) and cached.num_padded == num_padded and cached.req_ids == req_ids:
+        return cached
+    rows = RowInputs(
+        req_ids=req_ids,
+        num_padded=num_padded,
+        num_prompt=batch.num_prompt_tokens[slots],
+        decode_query_lens=_padded(np.ones(len(req_ids)), num_padded, 0, np.int32),
+        slot_ids=_padded(slots, num_padded, config.max_num_seqs, np.int32),  # padding rows use the scratch slot
+        temperature=_padded(batch.temperature[slots], num_padded, 0.0, np.float32),
+        top_k=_padded(batch.top_k[slots], num_padded, 0, np.int32),
+        top_p=_padded(batch.top_p[slots], num_padded, 1.0, np.float32),
+        seeds=_padded(batch.seeds[slots], num_padded, 0, np.int64),
+    )
+    batch.row_inputs_cache = rows
+    return rows
+
+
 def build_model_input(
     config: EngineConfig,
     scheduled: SchedulerOutput,
@@ -96,50 +142,63 @@ def build_model_input(
 
     `req_ids` are the step's rows in order and `slots` [num_rows] their KV slots. Tokens that exist
     only in a pending future come out as POISON_TOKEN (hazard: stale input ids; the device rejects them).
+    A decode step whose rows are the previous step's builds only its ids, positions and output
+    indices: the rest (`RowInputs`) is the previous step's.
     """
     is_decode = scheduled.all_decode
     shape = padded_input_shape(config, scheduled)
     num_padded, num_rows = shape[0], len(req_ids)
+    rows = row_inputs(config, batch, req_ids, slots, num_padded)
     computed = scheduled.num_computed_tokens
     start = np.fromiter(map(computed.__getitem__, req_ids), np.int64, num_rows)  # [R]
     if is_decode:
-        count = np.ones(num_rows, dtype=np.int64)  # [R]
+        # Every row is past its prompt and samples the token after its one input token.
         ids = np.zeros(num_padded, dtype=np.int32)  # [B]
         pos = np.zeros(num_padded, dtype=np.int32)  # [B]
+        output_index = np.zeros(num_padded, dtype=np.int64)  # [B]
         ids[:num_rows] = batch.token_ids[slots, start]
         pos[:num_rows] = start
-    else:
-        width = shape[1]
-        count = np.fromiter(map(scheduled.num_scheduled_tokens.__getitem__, req_ids), np.int64, num_rows)  # [R]
-        cols = np.arange(width, dtype=np.int64)  # [L]
-        real = cols[None, :] < count[:, None]  # [R, L]
-        at = np.where(real, start[:, None] + cols[None, :], 0)  # [R, L] positions; padding reads position 0
-        ids = np.zeros((num_padded, width), dtype=np.int32)  # [B, L]
-        pos = np.zeros((num_padded, width), dtype=np.int32)  # [B, L]
-        ids[:num_rows] = np.where(real, batch.token_ids[slots[:, None], at], 0)
-        pos[:num_rows] = at
+        end = start + 1  # [R] position of the token each row samples
+        output_index[:num_rows] = end - rows.num_prompt
+        return ModelInput(
+            req_ids=req_ids,
+            sample_positions=tuple(end.tolist()),
+            is_decode=True,
+            input_ids=torch.from_numpy(ids),
+            positions=torch.from_numpy(pos),
+            query_lens=rows.decode_query_lens,
+            slot_ids=rows.slot_ids,
+            temperature=rows.temperature,
+            top_k=rows.top_k,
+            top_p=rows.top_p,
+            seeds=rows.seeds,
+            output_index=torch.from_numpy(output_index),
+        )
+    width = shape[1]
+    count = np.fromiter(map(scheduled.num_scheduled_tokens.__getitem__, req_ids), np.int64, num_rows)  # [R]
+    cols = np.arange(width, dtype=np.int64)  # [L]
+    real = cols[None, :] < count[:, None]  # [R, L]
+    at = np.where(real, start[:, None] + cols[None, :], 0)  # [R, L] positions; padding reads position 0
+    ids = np.zeros((num_padded, width), dtype=np.int32)  # [B, L]
+    pos = np.zeros((num_padded, width), dtype=np.int32)  # [B, L]
+    ids[:num_rows] = np.where(real, batch.token_ids[slots[:, None], at], 0)
+    pos[:num_rows] = at
     end = start + count  # [R] position of the token each row samples
-    num_prompt = batch.num_prompt_tokens[slots]  # [R]
-
-    def padded(values: np.ndarray, fill: float, dtype: type) -> torch.Tensor:
-        out = np.full(num_padded, fill, dtype=dtype)  # [B]
-        out[:num_rows] = values
-        return torch.from_numpy(out)
-
+    num_prompt = rows.num_prompt  # [R]
     sample_positions = end.tolist()
     for i in np.flatnonzero(end < num_prompt).tolist():  # a partial prefill chunk samples nothing
         sample_positions[i] = None
     return ModelInput(
         req_ids=req_ids,
         sample_positions=tuple(sample_positions),
-        is_decode=is_decode,
+        is_decode=False,
         input_ids=torch.from_numpy(ids),
         positions=torch.from_numpy(pos),
-        query_lens=padded(count, 0, np.int32),
-        slot_ids=padded(slots, config.max_num_seqs, np.int32),  # padding rows use the scratch slot
-        temperature=padded(batch.temperature[slots], 0.0, np.float32),
-        top_k=padded(batch.top_k[slots], 0, np.int32),
-        top_p=padded(batch.top_p[slots], 1.0, np.float32),
-        seeds=padded(batch.seeds[slots], 0, np.int64),
-        output_index=padded(np.maximum(end - num_prompt, 0), 0, np.int64),
+        query_lens=_padded(count, num_padded, 0, np.int32),
+        slot_ids=rows.slot_ids,
+        temperature=rows.temperature,
+        top_k=rows.top_k,
+        top_p=rows.top_p,
+        seeds=rows.seeds,
+        output_index=_padded(np.maximum(end - num_prompt, 0), num_padded, 0, np.int64),
     )
