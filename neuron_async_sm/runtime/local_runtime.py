@@ -59,6 +59,11 @@ class DeviceOps(ABC):
         """Programs compiled so far in this process (a counter): here torch.compile's graphs."""
         return graph_compilations()
 
+    def settle(self) -> None:
+        """Make the state the program factory left on the device (weights, KV cache) device memory,
+        before the first program runs. Default: nothing to do (an eager device computed it already)."""
+        return None
+
     def close(self) -> None:
         """Stop helper threads (idempotent). Work already on the device finishes on its own."""
         return None
@@ -122,6 +127,7 @@ class LocalRuntime(DeviceRuntime):
         except Exception:
             ops.close()
             raise DeviceStartupError(f"program factory {programs!r} failed:\n{traceback.format_exc()}") from None
+        ops.settle()  # before warm-up: the first program's graph must be the one serving runs (xla_runtime.py)
         self._launch_lock = threading.Lock()
         self._next_seq = 0  # (launch lock) sequence number == output future id
         # Device memory: future id -> output tensor, or the failure that took its place. Entries go on

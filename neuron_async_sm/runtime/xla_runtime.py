@@ -13,6 +13,8 @@ How the protocol maps onto XLA:
 - failures: a program that raises while tracing never reaches the device; its future holds the error
   and dependants fail with its root cause (``LocalRuntime``). An execution error surfaces at ``.cpu()``.
 - compilations: torch_xla's ``UncachedCompile`` counter, in ``stats().compilations`` (0 after warm-up).
+- device state: what the program factory created on the device (the KV cache) is materialized before
+  the first program (``settle``), so that no graph carries its creation.
 
 torch_xla is imported only here, and only when this backend is created.
 """
@@ -50,6 +52,13 @@ class XlaOps(DeviceOps):
         out = call()  # traced: nothing has run yet
         self._xla.sync()  # compile (new shapes only) and dispatch this program's graph; returns at once
         return out, out
+
+    def settle(self) -> None:
+        # Hazard: a compile while serving. Tensors the factory created on the device (the KV cache's
+        # zeros) are lazy until a sync; left so, the first program's graph would carry their creation
+        # and be a graph of its own: warm-up's first call compiled it, and serving's first call of that
+        # shape (cache now device data) compiled again. Materialized here, every call of a shape is one graph.
+        self._xla.sync()
 
     def when_ready(self, token: object, ready: Ready) -> None:
         assert isinstance(token, torch.Tensor)
