@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import math
 import threading
 from collections import deque
@@ -129,6 +128,7 @@ class HostRuntime(DeviceRuntime):
         if program not in self._programs:
             raise ValueError(f"unknown program {program!r}; this device has {sorted(self._programs)}")
         wire = {name: self._wire_input(name, value) for name, value in inputs.items()}
+        uploads = [arg.nbytes for arg in wire.values() if isinstance(arg, WireTensor)]
         self._flight.acquire_slot()
         finished = threading.Event()
         sent = False
@@ -151,14 +151,15 @@ class HostRuntime(DeviceRuntime):
                     self._unfinished[seq] = finished
                     if push:
                         self._pushed[seq] = None
-                self._send(RunProgram(seq, program, wire, out.shape, out.dtype, push))
+                    # One message instead of two: the device frees these before it runs the program.
+                    releases = self._take_deferred_releases_locked()
+                self._send(RunProgram(seq, program, wire, out.shape, out.dtype, push, releases))
                 sent = True
         finally:
             if not sent:
                 self._flight.return_slot()
-        for arg in wire.values():
-            if isinstance(arg, WireTensor):
-                self._stats.host_upload(arg.nbytes)
+        if uploads:
+            self._stats.host_upload(sum(uploads), len(uploads))
         return HostFuture(self, seq, out, finished)
 
     def stats(self) -> RuntimeStats:
@@ -263,23 +264,29 @@ class HostRuntime(DeviceRuntime):
             return WireTensor.encode(value)  # copied now: later host writes cannot reach the device
         raise TypeError(f"input {name!r}: expected a tensor or a DeviceFuture, got {type(value).__name__}")
 
-    def _send(self, message: HostMessage) -> None:
-        """Caller holds ``_send_lock``. Flushes deferred releases first, inside a RunProgram when
-        that is the message (they only ever name futures nobody can pass to a later program, this
-        one included, so sending them late is safe)."""
+    def _take_deferred_releases_locked(self) -> tuple[int, ...]:
+        """The futures GC'd since the last send, forgotten here. Caller holds ``_send_lock`` and ``_state_cv``.
+
+        They only ever name futures nobody can pass to a later program (this one included), so
+        sending them late, or with the next RunProgram, is safe."""
+        if not self._deferred_releases:
+            return ()
         released: list[int] = []
         while self._deferred_releases:
             released.append(self._deferred_releases.popleft())
-        if released:
-            with self._state_cv:
-                for future_id in released:
-                    self._pushed.pop(future_id, None)
+        for future_id in released:
+            self._pushed.pop(future_id, None)
+        return tuple(released)
+
+    def _send(self, message: HostMessage) -> None:
+        """Caller holds ``_send_lock``. A message other than a RunProgram (which carries them, see
+        enqueue) first flushes the deferred releases as a Release of their own."""
         try:
-            if released and isinstance(message, RunProgram):
-                # One message instead of two: the device frees them before it runs the program.
-                message = dataclasses.replace(message, releases=tuple(released))
-            elif released:
-                self._channel.send(Release(tuple(released)))
+            if self._deferred_releases and not isinstance(message, RunProgram):
+                with self._state_cv:
+                    released = self._take_deferred_releases_locked()
+                if released:
+                    self._channel.send(Release(released))
             self._channel.send(message)
         except OSError as exc:
             reason = self._channel.describe_exit()

@@ -63,9 +63,10 @@ class StatsRecorder:
             self._transfers += 1
             self._transfer_bytes += nbytes
 
-    def host_upload(self, nbytes: int) -> None:
+    def host_upload(self, nbytes: int, count: int = 1) -> None:
+        """`count` host tensors of `nbytes` in all were sent as program inputs (one call per program)."""
         with self._lock:
-            self._uploads += 1
+            self._uploads += count
             self._upload_bytes += nbytes
 
     def snapshot(self) -> RuntimeStats:
