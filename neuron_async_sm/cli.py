@@ -58,7 +58,9 @@ def _csv(sizes: tuple[int, ...]) -> str:
     return ",".join(map(str, sizes))
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, *, progress: bool = True) -> None:
+    """The engine's flags, plus --trace and --stats; --no-progress only where a progress bar exists
+    (`serve` has none)."""
     d = EngineConfig()
     p.add_argument("--model", default=d.model, help="'tiny-llama' or a local Hugging Face Llama checkpoint dir")
     p.add_argument("--device", default=d.device, choices=DEVICES, help="cpu: emulated Neuron device process")
@@ -116,7 +118,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--trace", default=None, metavar="FILE.ndjson", help="write machine transitions")
     p.add_argument("--stats", default=None, metavar="STATS.json", help="write run statistics as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    if progress:
+        p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def _engine_config(args: argparse.Namespace) -> dict:

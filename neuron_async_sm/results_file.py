@@ -24,6 +24,10 @@ from neuron_async_sm.outputs import RequestOutput
 class ResultsWriteError(NeuronAsyncSMError, OSError):
     """Writing the output failed; the message names the file."""
 
+    def __str__(self) -> str:
+        # OSError's own form is "[Errno 2] cannot write ...": the user reads the message alone.
+        return self.strerror or super().__str__()
+
 
 class ResultsFile:
     """One line per request: appended as requests finish, rewritten in input order at the end."""

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support.processes import generate_argv
 
 from neuron_async_sm import LLM, InvalidRequestError, PromptRequest, SamplingParams
 from neuron_async_sm.cli import main, parse_request_line
@@ -297,3 +298,13 @@ def test_cli_error_output_keeps_the_request_id_of_the_rejected_line(tmp_path):
     results = run_generate(tmp_path, lines, "ids")
     assert [r["request_id"] for r in results] == ["mine", "ok", "line-3", "line-4", "line-5"]
     assert [r["finish_reason"] for r in results] == ["error", "length", "error", "error", "error"]
+
+
+def test_cli_unwritable_output_is_one_line_naming_the_file(tmp_path, capsys):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the output's directory should be")
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [1, 2], "max_tokens": 2}) + "\n")
+    assert main(generate_argv(prompts, blocker / "out.jsonl", process=False)) == 2  # before the device starts
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write {blocker}: ") and "[Errno" not in err, err

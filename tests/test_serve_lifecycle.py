@@ -5,6 +5,7 @@ ends every open stream with an error and turns /health to 503. Nothing here wait
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -92,7 +93,10 @@ def test_more_waiting_than_max_waiting_get_503_at_once(tmp_path):
 
 
 def test_sigterm_lets_short_streams_finish_aborts_the_rest_and_exits_0(tmp_path):
-    server = ServerProcess(tmp_path, "tiny-llama", *flags("--device", "cpu-inprocess", "--shutdown-timeout-s", "3"))
+    stats = tmp_path / "stats.json"
+    server = ServerProcess(
+        tmp_path, "tiny-llama", *flags("--device", "cpu-inprocess", "--shutdown-timeout-s", "3", "--stats", str(stats))
+    )
     short = OpenStream(server, [5, 6, 7], max_tokens=10, temperature=0.0, extra_body={"ignore_eos": True})
     long = OpenStream(server, [8, 9], **LONG)
     assert short.first.wait(30) and long.first.wait(30)
@@ -108,6 +112,21 @@ def test_sigterm_lets_short_streams_finish_aborts_the_rest_and_exits_0(tmp_path)
     assert isinstance(long.error, openai.APIError) and "shutting down" in str(long.error), long.error
     assert 0 < len(long.tokens) < 300
     assert time.monotonic() - sent < 3 + 10, "the drain must end at --shutdown-timeout-s"
+    written = json.loads(stats.read_text())  # --stats: the engine's statistics, written when it stopped
+    assert written["output_tokens"] >= len(short.tokens) + len(long.tokens) and written["steps"] > 0, written
+
+
+def test_serve_takes_no_flag_it_would_ignore_and_states_its_own_exit_codes(capsys):
+    from neuron_async_sm.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve", "--no-progress"])  # serve has no progress bar
+    assert exit_.value.code == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    epilog = capsys.readouterr().out.split("exit codes:", 1)[1]
+    assert "SIGTERM" in epilog and "130" in epilog and "143" not in epilog and "still written" not in epilog
 
 
 def test_a_dead_device_ends_every_open_stream_with_an_error_and_health_turns_503(tmp_path):

@@ -3,33 +3,41 @@
 The engine (and its spawned device process) is built here, on the CLI's `__main__`-guarded path,
 before uvicorn starts. SIGTERM / SIGINT: uvicorn stops accepting connections, in-flight requests get
 `--shutdown-timeout-s` to finish, then every open one is aborted (its client gets an error); the
-engine shuts down and the process exits 0 (SIGTERM) or 130 (SIGINT).
+engine shuts down and the process exits 0 (SIGTERM) or 130 (SIGINT). `--stats FILE` gets the
+engine's statistics then.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 SERVE_HELP = """Serve the model over HTTP with the OpenAI API.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (the model's chat template from
 tokenizer_config.json), GET /v1/models, GET /health (503 once the engine is dead), GET /metrics
 (Prometheus). Text needs a tokenizer.json in the model directory; without one (tiny-llama) prompts
-are token ids and every choice carries `token_ids`."""
+are token ids and every choice carries `token_ids`. --trace records the machine's transitions while it
+serves; --stats writes the engine's statistics as JSON when it stops."""
+
+SERVE_EXIT_CODES_HELP = """exit codes: 0 stopped by SIGTERM (new connections refused, open requests given
+--shutdown-timeout-s, then aborted); 130 the same on SIGINT (Ctrl-C); 2 usage or configuration error,
+or the port could not be bound (nothing served)."""
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    from neuron_async_sm.cli import EXIT_CODES_HELP, _add_engine_args, _HelpFormatter
+    from neuron_async_sm.cli import _add_engine_args, _HelpFormatter
 
     p = sub.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server (needs the 'serve' extra)",
         description=SERVE_HELP,
         formatter_class=_HelpFormatter,
-        epilog=EXIT_CODES_HELP,
+        epilog=SERVE_EXIT_CODES_HELP,
     )
-    _add_engine_args(p)
+    _add_engine_args(p, progress=False)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--served-model-name", default=None, help="the `model` clients pass (default: --model)")
@@ -59,7 +67,8 @@ def run_serve(args: argparse.Namespace) -> int:
         from neuron_async_sm.serve.metrics import ServerMetrics
         from neuron_async_sm.serve.server import serve
     except ImportError as exc:
-        print(f"error: serve needs the 'serve' extra (pip install 'neuron_async_sm[serve]'): {exc}", file=sys.stderr)
+        extra = "pip install -e '.[serve]' in the checkout"
+        print(f"error: serve needs the 'serve' extra ({extra}): {exc}", file=sys.stderr)
         return EXIT_USAGE
     from neuron_async_sm.engine.async_llm import AsyncLLM
     from neuron_async_sm.engine.llm import LLM
@@ -68,6 +77,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_waiting < 0 or not args.shutdown_timeout_s >= 0 or not 0 <= args.port < 65536:
         print("error: --max-waiting and --shutdown-timeout-s must be >= 0, --port in [0, 65536)", file=sys.stderr)
         return EXIT_USAGE
+    if args.stats:  # checked before the device starts, as generate checks its output
+        try:
+            Path(args.stats).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.stats).touch()
+        except OSError as exc:
+            print(f"error: --stats: cannot write {args.stats}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_USAGE
     tokenizer = ServedTokenizer.load(args.model)
     llm = LLM(args.model, **_engine_config(args))
     name = args.served_model_name or args.model
@@ -80,6 +96,8 @@ def run_serve(args: argparse.Namespace) -> int:
         started = serve(build_app(server), server, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.close()  # a no-op after the lifespan's shutdown; otherwise stops the engine thread or the LLM
+        if args.stats:
+            Path(args.stats).write_text(json.dumps(llm.stats(), indent=2) + "\n", encoding="utf-8")
     if not started:
         print(f"error: the server could not start on {args.host}:{args.port}", file=sys.stderr)
         return EXIT_USAGE
