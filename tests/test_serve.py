@@ -203,11 +203,14 @@ def _error(exc: openai.APIStatusError) -> dict:
     ],
 )
 def test_bad_requests_get_a_400_naming_the_field(server, kwargs, param):
+    rejected = server.metric("neuron_async_sm_requests_rejected_total", reason="invalid")
     with pytest.raises(openai.BadRequestError) as info:
         server.client().completions.create(model=server.model, **kwargs)
     error = _error(info.value)
     assert info.value.status_code == 400 and error["type"] == "invalid_request_error"
     assert error["param"] == param, error
+    # Counted once, whichever layer refused it (the route's checks, validation, the engine).
+    assert server.metric("neuron_async_sm_requests_rejected_total", reason="invalid") == rejected + 1
 
 
 def test_malformed_json_wrong_model_and_no_chat_template(server, tmp_path):

@@ -147,15 +147,12 @@ class Server:
         try:
             return await self.engine.add_request(prompt_ids, params, request_id)
         except InvalidRequestError as exc:
-            self.metrics.rejected("invalid")
             raise _invalid(exc) from exc
         except EngineOverloadedError as exc:
-            self.metrics.rejected("overloaded")
             raise ApiError(
                 503, f"the server is overloaded: {exc}; retry later", "service_unavailable", code="overloaded"
             ) from exc
         except EngineDeadError as exc:
-            self.metrics.rejected("engine_dead")
             raise ApiError(503, str(exc), "service_unavailable", code="engine_dead") from exc
 
     async def pieces(self, stream: RequestStream, text: IncrementalText) -> AsyncIterator[Piece]:
@@ -229,6 +226,9 @@ def build_app(server: Server) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        # Every refusal passes here (the route's own checks and the engine's): counted once, by kind.
+        code = exc.body.error.code
+        server.metrics.rejected(code if code in ("overloaded", "engine_dead") else "invalid")
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
