@@ -200,6 +200,8 @@ def _error(exc: openai.APIStatusError) -> dict:
         (dict(prompt="w5", max_tokens=200), "max_tokens"),  # prompt + max_tokens over max_model_len
         (dict(prompt=[5, 64]), "prompt"),  # a token id outside the vocabulary (the scheduler's check)
         (dict(prompt="w5", logprobs=2), "logprobs"),
+        (dict(prompt=[[5], [6]]), "prompt"),  # a batch of prompts: refused as one, by name
+        (dict(prompt=["w5", "w6"]), "prompt"),
     ],
 )
 def test_bad_requests_get_a_400_naming_the_field(server, kwargs, param):
@@ -209,6 +211,8 @@ def test_bad_requests_get_a_400_naming_the_field(server, kwargs, param):
     error = _error(info.value)
     assert info.value.status_code == 400 and error["type"] == "invalid_request_error"
     assert error["param"] == param, error
+    if isinstance(kwargs["prompt"], list) and isinstance(kwargs["prompt"][0], (list, str)):
+        assert "a batch of prompts is not supported" in error["message"], error
     # Counted once, whichever layer refused it (the route's checks, validation, the engine).
     assert server.metric("neuron_async_sm_requests_rejected_total", reason="invalid") == rejected + 1
 

@@ -64,7 +64,9 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int]
+    # One prompt per request; a batch (OpenAI allows one) is parsed so that it is refused by name, not
+    # as "Input should be a valid string".
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
@@ -74,6 +76,8 @@ class CompletionRequest(_SamplingFields):
     def unsupported(self) -> tuple[str, str] | None:
         if isinstance(self.prompt, list) and not self.prompt:
             return "prompt", "empty prompt"
+        if isinstance(self.prompt, list) and not all(type(t) is int for t in self.prompt):
+            return "prompt", "a batch of prompts is not supported: send one prompt (a string or token ids) per request"
         if self.echo:
             return "echo", "echo is not supported"
         if self.logprobs is not None:
