@@ -112,6 +112,7 @@ def test_sigterm_lets_short_streams_finish_aborts_the_rest_and_exits_0(tmp_path)
     assert isinstance(long.error, openai.APIError) and "shutting down" in str(long.error), long.error
     assert 0 < len(long.tokens) < 300
     assert time.monotonic() - sent < 3 + 10, "the drain must end at --shutdown-timeout-s"
+    assert "Aborting 1 requests still open after 3 s" in server.log(), server.log()  # the operator is told
     written = json.loads(stats.read_text())  # --stats: the engine's statistics, written when it stopped
     assert written["output_tokens"] >= len(short.tokens) + len(long.tokens) and written["steps"] > 0, written
 

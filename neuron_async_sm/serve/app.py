@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -25,6 +26,8 @@ from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
 from neuron_async_sm.serve import protocol as p
 from neuron_async_sm.serve.metrics import ServerMetrics
 from neuron_async_sm.serve.tokenizer import ChatTemplateError, IncrementalText, ServedTokenizer
+
+logger = logging.getLogger("uvicorn.error")  # uvicorn's own: shown beside its "Shutting down" at --log-level
 
 
 @dataclass(frozen=True)
@@ -98,8 +101,17 @@ class Server:
     def begin_drain(self) -> None:
         """SIGTERM (on the loop): in-flight requests get shutdown_timeout_s, then every open one is aborted."""
         if self._deadline is None:
+            timeout_s = self.settings.shutdown_timeout_s
+            logger.info("Draining: %d open requests get %g s to finish", self.engine.num_open, timeout_s)
             loop = asyncio.get_running_loop()
-            self._deadline = loop.call_later(self.settings.shutdown_timeout_s, self.engine.abort_all)
+            self._deadline = loop.call_later(timeout_s, self._abort_at_deadline)
+
+    def _abort_at_deadline(self) -> None:
+        if self.engine.num_open:
+            logger.warning(
+                "Aborting %d requests still open after %g s", self.engine.num_open, self.settings.shutdown_timeout_s
+            )
+        self.engine.abort_all()
 
     # -- one request --------------------------------------------------------------------------------
 
