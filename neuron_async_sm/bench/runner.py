@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,17 +95,39 @@ class OtherLoad:
         return max(0.0, (busy_now - busy - (own_now - own)) / ticks)
 
 
+def split_native_threads(device_cpu: int | None) -> None:
+    """Give this process's native threads `device_cpu` and its Python threads every other CPU; None:
+    every thread may run anywhere. For a device computed in this process on the host's own CPUs
+    (--device xla on PJRT's CPU client, whose execution and Eigen pools are native threads), as the
+    emulated device process is pinned with `device_cpu`: the device's compute no longer preempts the
+    thread that traces the next step. Threads started later inherit their creator's CPUs, so call
+    it before each run."""
+    cpus = set(range(os.cpu_count() or 1))
+    python = {t.native_id for t in threading.enumerate()}
+    for tid in map(int, os.listdir("/proc/self/task")):
+        if device_cpu is None:
+            target = cpus
+        else:
+            target = cpus - {device_cpu} if tid in python else {device_cpu}
+        try:
+            os.sched_setaffinity(tid, target)
+        except OSError:
+            pass  # the thread ended meanwhile
+
+
 class ProbedLLM:
     """An LLM with a StepProbe attached, reused across repetitions (the device starts once).
 
-    `host_extra_ms` emulates a heavier host (the D/C sweep): see StepProbe.
+    `host_extra_ms` emulates a heavier host (the D/C sweep): see StepProbe. `native_cpu`: before each
+    run, `split_native_threads(native_cpu)` (an in-process device on the host's CPUs; None: no pinning).
     """
 
-    def __init__(self, model: str, host_extra_ms: float = 0.0, **config: object) -> None:
+    def __init__(self, model: str, host_extra_ms: float = 0.0, native_cpu: int | None = None, **config: object) -> None:
         self.probe = StepProbe(host_extra_ms)
         self.llm = LLM(model, **config)
         self.probe.attach(self.llm.engine)
         self.async_scheduling = self.llm.config.async_scheduling
+        self.native_cpu = native_cpu
         self._runs = 0
 
     def run(self, workload: Workload) -> dict:
@@ -114,6 +137,8 @@ class ProbedLLM:
         before = llm.stats()
         arrival: dict[str, float] = {}
         stamps: dict[str, list[float]] = {}
+        if self.native_cpu is not None:
+            split_native_threads(self.native_cpu)
         gc.collect()
         probe.reset()
         load = load_average()
@@ -189,6 +214,7 @@ def compare_modes(
     warmup: int = 1,
     max_other_cpu: float | None = None,
     host_extra_ms: float = 0.0,
+    native_cpu: int | None = None,
     progress: Progress | None = None,
     **config: object,
 ) -> ModeComparison:
@@ -198,10 +224,11 @@ def compare_modes(
     On a shared machine, `max_other_cpu` waits (up to 2 minutes) for a quiet second before each
     (sync, async) pair and keeps only pairs during which other processes used at most that share of
     the CPUs; a busy pair is recorded as excluded and run again, up to 5 x `repetitions` pairs in all
-    (then the quietest pairs are kept).
+    (then the quietest pairs are kept). `native_cpu`: see ProbedLLM.
     """
     engines = {
-        mode: ProbedLLM(model, host_extra_ms, async_scheduling=mode == "async", **config) for mode in ("sync", "async")
+        mode: ProbedLLM(model, host_extra_ms, native_cpu, async_scheduling=mode == "async", **config)
+        for mode in ("sync", "async")
     }
     try:
         for _ in range(warmup):
@@ -229,6 +256,8 @@ def compare_modes(
     finally:
         for engine in engines.values():
             engine.close()
+        if native_cpu is not None:
+            split_native_threads(None)
     if len(pairs) < repetitions:  # the machine never calmed down: keep the quietest pairs
         by_quiet = sorted(_pairs(runs), key=lambda p: max(m["other_cpu"] for m in p.values()))
         pairs = by_quiet[:repetitions]
