@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,22 @@ def test_sweep_and_host_cost_run_end_to_end() -> None:
     assert [r["waiting"] for r in waiting["rows"]] == [0, 50]
     for row in batch["rows"] + waiting["rows"]:
         assert all(math.isfinite(row[f"{mode}_host_us"]) and row[f"{mode}_host_us"] > 0 for mode in ("sync", "async"))
+
+
+@pytest.mark.parametrize(
+    ("flag", "module"), [("--vs-transformers", "transformers"), ("--all", "transformers"), ("--plots", "matplotlib")]
+)
+def test_a_section_without_its_dev_extra_fails_before_any_run(flag, module, monkeypatch, capsys, tmp_path) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed: find_spec() answers None
+    argv = [
+        "bench",
+        "--workload",
+        "steady",
+        "--num-requests",
+        "1",
+        flag,
+        *([str(tmp_path)] if flag == "--plots" else []),
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"needs {module}" in err and "pip install -e '.[dev]'" in err and "Traceback" not in err, err

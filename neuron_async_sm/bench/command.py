@@ -9,6 +9,7 @@ and tokens/s against transformers (`--vs-transformers`). `--all` runs every sect
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -24,6 +25,7 @@ from neuron_async_sm.bench import host_cost, peer, sweep
 from neuron_async_sm.bench.runner import Progress, batch_config, compare_modes, load_average
 from neuron_async_sm.bench.serve_command import add_serve_bench_parser
 from neuron_async_sm.bench.workloads import DEFAULT_NUM_REQUESTS, WORKLOADS, build_workload
+from neuron_async_sm.config import ConfigError
 from neuron_async_sm.model.config import load_model_config
 from neuron_async_sm.runtime.config import DeviceKind
 
@@ -152,10 +154,21 @@ def machine() -> dict:
     }
 
 
+def _require_dev_extras(args: argparse.Namespace) -> None:
+    """Sections that need the dev extras fail here, before any run, not after minutes of benchmarking."""
+    needed = {"transformers": "--vs-transformers", "matplotlib": "--plots"}
+    wanted = {"transformers": args.vs_transformers, "matplotlib": args.plots}
+    missing = [module for module, want in wanted.items() if want and importlib.util.find_spec(module) is None]
+    if missing:
+        flags = ", ".join(f"{needed[m]} needs {m}" for m in missing)
+        raise ConfigError(f"{flags} (the dev extras: pip install -e '.[dev]'); nothing ran")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.all:
         args.sweep = args.sweep or sweep.DEFAULT_RATIOS
         args.host_cost = args.vs_transformers = True
+    _require_dev_extras(args)
     show = not args.no_progress
     engine = {"device_cpu": args.device_cpu, "device_threads": args.device_threads}
     report: dict = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "engine_options": engine}
