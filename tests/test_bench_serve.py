@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import statistics
+import sys
 
 import pytest
 
@@ -168,3 +169,12 @@ def test_engine_flags_reach_the_servers_and_the_mode_does_not() -> None:
 def test_flags_the_servers_cannot_take_are_a_usage_error(capsys) -> None:
     assert main(["bench", "serve", "--trace", "t.ndjson"]) == 2
     assert "--trace" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "module", "hint"), [([], "fastapi", "'.[serve]'"), (["--plots", "d"], "matplotlib", "'.[dev]'")]
+)
+def test_a_missing_extra_is_a_usage_error_before_any_server_starts(argv, module, hint, monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed: find_spec() answers None
+    assert main(["bench", "serve", *argv]) == 2
+    assert hint in capsys.readouterr().err

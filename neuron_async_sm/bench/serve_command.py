@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -200,6 +201,11 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--trace / --stats: not forwarded to the benchmark's servers; run `serve` with them")
     if args.base_url is not None and args.async_scheduling is not None:
         raise ValueError("--async-scheduling / --no-async-scheduling pick our own servers' mode; not with --base-url")
+    # Checked before any server starts: not after the whole benchmark (plots) or as a server dying at start.
+    if args.base_url is None and not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn")):
+        raise ValueError("our own servers need the 'serve' extra (pip install -e '.[serve]'), or give --base-url")
+    if args.plots and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plots needs matplotlib (the dev extras: pip install -e '.[dev]')")
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
