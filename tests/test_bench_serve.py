@@ -172,7 +172,8 @@ def test_flags_the_servers_cannot_take_are_a_usage_error(capsys) -> None:
 
 
 @pytest.mark.parametrize(
-    ("argv", "module", "hint"), [([], "fastapi", "'.[serve]'"), (["--plots", "d"], "matplotlib", "'.[dev]'")]
+    ("argv", "module", "hint"),
+    [([], "fastapi", "'.[serve]'"), ([], "openai", "pip install openai"), (["--plots", "d"], "matplotlib", "'.[dev]'")],
 )
 def test_a_missing_extra_is_a_usage_error_before_any_server_starts(argv, module, hint, monkeypatch, capsys) -> None:
     monkeypatch.setitem(sys.modules, module, None)  # as if not installed: find_spec() answers None

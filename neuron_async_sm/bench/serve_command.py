@@ -204,6 +204,8 @@ def _validate(args: argparse.Namespace) -> None:
     # Checked before any server starts: not after the whole benchmark (plots) or as a server dying at start.
     if args.base_url is None and not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn")):
         raise ValueError("our own servers need the 'serve' extra (pip install -e '.[serve]'), or give --base-url")
+    if importlib.util.find_spec("openai") is None:
+        raise ValueError("the benchmark's client is the openai package (pip install openai, or the dev extras)")
     if args.plots and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plots needs matplotlib (the dev extras: pip install -e '.[dev]')")
 
