@@ -213,7 +213,7 @@ def sampled_values(events: list[dict], records: list[dict]) -> tuple[dict[str, i
     return prompt_lens, values
 
 
-PART_EVENTS = 250  # events per TLC run: a longer trace is checked in parts, each from its predecessor's end
+PART_EVENTS = 500  # events per TLC run: a longer trace is checked in parts, each from its predecessor's end
 DEPTH = 2  # the spec's Depth: a part keeps the last Depth + 1 steps, and any older step still in flight
 
 
@@ -239,6 +239,15 @@ class Trace:
         for r in records:
             limits.update(zip(r["new"], r["max_tokens"], strict=True))
         return cls(config, threads, events, records, limits, prompt_lens, values)
+
+
+def combine(pairs: list[str]) -> str:
+    """`k :> v` terms joined by `@@` as a balanced tree: TLC evaluates `@@` recursively, and a flat chain
+    of a few hundred requests overflows its stack (a tree of them is log2(n) deep)."""
+    if len(pairs) == 1:
+        return f"({pairs[0]})"
+    half = len(pairs) // 2
+    return f"({combine(pairs[:half])} @@ {combine(pairs[half:])})"
 
 
 def trace_log_module(
@@ -285,7 +294,7 @@ def trace_log_module(
         """A function on the part's requests, built by TLC as a table (`:>`, `@@`), not re-evaluated."""
         if not order:
             return "<<>>"
-        return "(" + " @@ ".join(f"{tla(r)} :> {tla(values.get(r, default))}" for r in order) + ")"
+        return combine([f"{tla(r)} :> {tla(values.get(r, default))}" for r in order])
 
     lines = [
         "----------------------------- MODULE TraceLog -----------------------------",
@@ -399,7 +408,7 @@ def emit(value: object) -> str:
     if isinstance(value, Record):
         return "[" + ", ".join(f"{k} |-> {emit(v)}" for k, v in value.items()) + "]"
     if isinstance(value, Function):
-        return "(" + " @@ ".join(f"{emit(k)} :> {emit(v)}" for k, v in value.items()) + ")" if value else "<<>>"
+        return combine([f"{emit(k)} :> {emit(v)}" for k, v in value.items()]) if value else "<<>>"
     if isinstance(value, TlaSet):
         return "{" + ", ".join(emit(v) for v in value) + "}"
     if isinstance(value, list):

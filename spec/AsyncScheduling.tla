@@ -63,6 +63,14 @@ Min(a, b) == IF a < b THEN a ELSE b
 IndexOf(s, x) == CHOOSE i \in DOMAIN s : s[i] = x
 Bucket(n) == CHOOSE b \in Buckets : b >= n /\ \A c \in Buckets : c >= n => b <= c
 MaxOf(S) == CHOOSE m \in S : \A x \in S : x <= m
+\* f with the entries on DOMAIN g (a subset of DOMAIN f) replaced by g's: the same function as
+\* [x \in DOMAIN f |-> IF x \in DOMAIN g THEN g[x] ELSE f[x]], built with one EXCEPT per entry of g.
+\* An action changes the requests it names, not every request: TLC then evaluates only their entries
+\* (a long trace's part knows many requests; a step names a batch).
+RECURSIVE OverrideOn(_, _, _)
+OverrideOn(f, g, S) ==
+    IF S = {} THEN f ELSE LET x == CHOOSE x \in S : TRUE IN OverrideOn([f EXCEPT ![x] = g[x]], g, S \ {x})
+Override(f, g) == OverrideOn(f, g, DOMAIN g)
 \* Every step schedules at least one prefill chunk or decode token.
 StepBound == Len(Requests) * (MaxChunks + MaxOf(Range(MaxTokens)))
 
@@ -311,11 +319,11 @@ Plans == {Plan(sch) : sch \in ScheduleChoices}
 StepReady == pc["main"] = "top" /\ (Len(batchQueue) < Depth \/ ~BatchQueueBounded)
 
 TakePath(p) ==
-    /\ status' = [r \in ReqSet |-> IF r \in p.admitted THEN "running" ELSE status[r]]
-    /\ phase' = [r \in ReqSet |-> IF r \in p.sampling THEN "decode" ELSE phase[r]]
-    /\ chunks' = [r \in ReqSet |-> IF r \in p.sampling THEN 0
-                                   ELSE IF r \in p.scheduled THEN chunks[r] + 1 ELSE chunks[r]]
-    /\ placeholders' = [r \in ReqSet |-> IF r \in p.sampling THEN placeholders[r] + 1 ELSE placeholders[r]]
+    /\ status' = Override(status, [r \in p.admitted |-> "running"])
+    /\ phase' = Override(phase, [r \in p.sampling |-> "decode"])
+    \* p.sampling \subseteq p.scheduled: a sampling request's count restarts, any other scheduled one counts a chunk
+    /\ chunks' = Override(chunks, [r \in p.scheduled |-> IF r \in p.sampling THEN 0 ELSE chunks[r] + 1])
+    /\ placeholders' = Override(placeholders, [r \in p.sampling |-> placeholders[r] + 1])
     /\ finishedIds' = {}
     /\ cur' = p
     /\ mstate' = p.path
@@ -375,10 +383,9 @@ WriteBack(s) ==
         \* Hazard: tokens written to the wrong request. The snapshot's ids, never the current rows.
         Owner(i) == IF WriteBackBySnapshot THEN st.rows[i] ELSE IF i <= Len(rows) THEN rows[i] ELSE None
         Written(r) == {i \in DOMAIN st.rows : st.outIdx[i] > 0 /\ Owner(i) = r}
-    IN [r \in ReqSet |->
-            IF Written(r) = {} THEN host[r]
-            ELSE LET i == CHOOSE i \in Written(r) : TRUE
-                 IN WriteAt(host[r], st.outIdx[i], st.result[i])]
+        owners == {Owner(i) : i \in {i \in DOMAIN st.rows : st.outIdx[i] > 0}} \cap ReqSet  \* Written(r) # {}
+    IN Override(host, [r \in owners |-> LET i == CHOOSE i \in Written(r) : TRUE
+                                         IN WriteAt(host[r], st.outIdx[i], st.result[i])])
 
 Materialize(t) ==  \* transfer to the host and write back; blocks until the program ran
     /\ pc[t] = "transfer"
@@ -498,19 +505,18 @@ AdvanceStep ==  \* update_from_output: deliver the oldest step's tokens, discove
            sampled == {i \in DOMAIN st.rows : st.outIdx[i] > 0}
            owner == [i \in sampled |-> st.rows[i]]
            live == {i \in sampled : Delivers(st, i)}  \* others' tokens are discarded
-           Delivered(r) == IF \E i \in live : owner[i] = r
-                           THEN Append(delivered[r], st.result[CHOOSE i \in live : owner[i] = r])
-                           ELSE delivered[r]
-           newDelivered == [r \in ReqSet |-> Delivered(r)]
+           getting == {owner[i] : i \in live}
+           newDelivered == Override(delivered, [r \in getting |->
+                                                  Append(delivered[r], st.result[CHOOSE i \in live : owner[i] = r])])
            atMax == {owner[i] : i \in {j \in live : Len(newDelivered[owner[j]]) >= MaxTokens[owner[j]]}}
        IN
        \* EOS or a stop token: known only now that the token is on the host.
-       \E eos \in SUBSET ({owner[i] : i \in live} \cap MayStop) :
+       \E eos \in SUBSET (getting \cap MayStop) :
            LET stopped == eos \cup atMax IN
            /\ delivered' = newDelivered
-           /\ placeholders' = [r \in ReqSet |-> IF r \in Range(owner) THEN placeholders[r] - 1 ELSE placeholders[r]]
-           /\ status' = [r \in ReqSet |-> IF r \in stopped THEN "finished" ELSE status[r]]
-           /\ stopLen' = [r \in ReqSet |-> IF r \in stopped THEN Len(newDelivered[r]) ELSE stopLen[r]]
+           /\ placeholders' = Override(placeholders, [r \in Range(owner) |-> placeholders[r] - 1])
+           /\ status' = Override(status, [r \in stopped |-> "finished"])
+           /\ stopLen' = Override(stopLen, [r \in stopped |-> Len(newDelivered[r])])
            /\ finishedIds' = finishedIds \cup stopped
     /\ batchQueue' = Tail(batchQueue)
     /\ steps' = IF Head(batchQueue) # pending THEN [steps EXCEPT ![Head(batchQueue)] = Retire(@)] ELSE steps

@@ -27,6 +27,19 @@ VARIABLES
     engineCounts,  \* <<async_steps, sync_fallback_steps>> as the engine reported them (reinstate)
     pathCounts     \* <<async, sync fallback>>: the paths of the step events matched so far
 
+\* The trace's constants for the .cfg to substitute (<-). TLC evaluates a definition put for a constant
+\* again on every use of the constant (MaxTokens, a function of every request, is read for each request
+\* of each plan), but a zero-arity definition once, when it starts: so the .cfg names these, each only
+\* the name of the TraceLog value (a quarter of a part's CPU time was rebuilding TraceMaxTokens).
+OnceRequests == TraceRequests
+OnceReqSet == TraceReqSet
+OnceMaxTokens == TraceMaxTokens
+OnceBuckets == TraceBuckets
+OnceMaxSeqs == TraceMaxSeqs
+OnceMaxChunks == TraceMaxChunks
+OnceAllowFailure == TraceAllowFailure
+OnceAsyncRelay == TraceAsyncRelay
+
 traceVars == <<vars, l, engineCounts, pathCounts>>
 
 \* Thread identity from the trace's header: the engine loop is the thread it names.
