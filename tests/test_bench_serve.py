@@ -9,10 +9,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import signal
 import statistics
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+from support.processes import process_gone
 
 from neuron_async_sm.bench.serve_command import engine_argv
 from neuron_async_sm.bench.serving import RequestRecord, arrival_offsets, mode_order, summarize
@@ -179,3 +184,23 @@ def test_a_missing_extra_is_a_usage_error_before_any_server_starts(argv, module,
     monkeypatch.setitem(sys.modules, module, None)  # as if not installed: find_spec() answers None
     assert main(["bench", "serve", *argv]) == 2
     assert hint in capsys.readouterr().err
+
+
+def test_sigterm_stops_the_benchmark_and_its_servers(tmp_path) -> None:
+    argv = [sys.executable, "-m", "neuron_async_sm", "bench", "serve", "--device", "cpu-inprocess", "--no-progress"]
+    bench = subprocess.Popen([*argv, "--server-log-dir", str(tmp_path)], stderr=subprocess.DEVNULL)
+    children = Path(f"/proc/{bench.pid}/task/{bench.pid}/children")
+    deadline = time.monotonic() + 60
+
+    def servers() -> list[int]:  # children that are servers already (exec'd: Popen has returned in the bench)
+        pids = [int(pid) for pid in children.read_text().split()]
+        return [pid for pid in pids if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[3:4] == [b"serve"]]
+
+    while len(servers()) < 2:
+        assert bench.poll() is None and time.monotonic() < deadline, "bench serve never started its two servers"
+        time.sleep(0.05)
+    time.sleep(0.2)  # past the bench's own bookkeeping of the second server
+    started = servers()
+    bench.send_signal(signal.SIGTERM)  # as a job scheduler or `timeout` would
+    assert bench.wait(timeout=60) == 143
+    assert all(process_gone(pid) for pid in started), "a server outlived the benchmark"

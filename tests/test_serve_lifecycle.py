@@ -1,6 +1,7 @@
-"""The server under pressure and at its end, each on its own `serve` process (tiny-llama, token ids):
-overload is refused at once with 503, SIGTERM drains open streams and exits 0, and a dead device
-ends every open stream with an error and turns /health to 503. Nothing here waits unbounded.
+"""The server under pressure and at its end, on real `serve` processes (tiny-llama, token ids): overload
+is refused at once with 503 and SIGTERM then drains open streams and exits 0 (one process, the two in
+turn), and a dead device ends every open stream with an error and turns /health to 503 (its own).
+Nothing here waits unbounded.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -57,46 +59,51 @@ class OpenStream(threading.Thread):
         assert not self.is_alive(), "a stream never ended"
 
 
-def test_more_waiting_than_max_waiting_get_503_at_once(tmp_path):
+def test_more_waiting_than_max_waiting_get_503_at_once_and_sigterm_drains_then_exits_0(tmp_path):
+    # One server for both (a server start is ~2-3 s of CI): the overload first, then the drain on SIGTERM.
+    stats = tmp_path / "stats.json"
     server = ServerProcess(
         tmp_path,
         "tiny-llama",
         *flags("--device", "cpu-inprocess", "--max-num-seqs", "2", "--decode-buckets", "1,2", "--max-waiting", "2"),
+        *("--shutdown-timeout-s", "3", "--stats", str(stats)),
     )
     try:
-        streams = [OpenStream(server, [5 + i, 6, 7], **LONG) for i in range(4)]
-        server.wait_for(
-            lambda: (
-                server.metric("neuron_async_sm_num_requests_running") == 2
-                and server.metric("neuron_async_sm_num_requests_waiting") == 2
-            ),
-            "2 running, 2 waiting",
-        )
-        started = time.monotonic()
-        with pytest.raises(openai.APIStatusError) as info:
-            server.client().completions.create(model="tiny-llama", prompt=[9, 9], max_tokens=2)
-        assert time.monotonic() - started < 5, "an overloaded server must refuse at once, not queue"
-        assert info.value.status_code == 503 and info.value.body["code"] == "overloaded", info.value.body
-        assert server.metric("neuron_async_sm_requests_rejected_total", reason="overloaded") == 1
-        for stream in streams:
-            stream.stream.close()  # every client leaves: their requests are aborted, slots come back
-        server.wait_for(
-            lambda: (
-                server.metric("neuron_async_sm_kv_slots_free") == 2
-                and server.metric("neuron_async_sm_num_requests_waiting") == 0
-            ),
-            "slots back",
-        )
-        assert server.client().completions.create(model="tiny-llama", prompt=[9, 9], max_tokens=2).choices
+        more_waiting_than_max_waiting_get_503_at_once(server)
+        sigterm_lets_short_streams_finish_aborts_the_rest_and_exits_0(server, stats)
     finally:
-        assert server.terminate() == 0, server.log()
+        if server.proc.poll() is None:
+            server.kill()
 
 
-def test_sigterm_lets_short_streams_finish_aborts_the_rest_and_exits_0(tmp_path):
-    stats = tmp_path / "stats.json"
-    server = ServerProcess(
-        tmp_path, "tiny-llama", *flags("--device", "cpu-inprocess", "--shutdown-timeout-s", "3", "--stats", str(stats))
+def more_waiting_than_max_waiting_get_503_at_once(server: ServerProcess) -> None:
+    streams = [OpenStream(server, [5 + i, 6, 7], **LONG) for i in range(4)]
+    server.wait_for(
+        lambda: (
+            server.metric("neuron_async_sm_num_requests_running") == 2
+            and server.metric("neuron_async_sm_num_requests_waiting") == 2
+        ),
+        "2 running, 2 waiting",
     )
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as info:
+        server.client().completions.create(model="tiny-llama", prompt=[9, 9], max_tokens=2)
+    assert time.monotonic() - started < 5, "an overloaded server must refuse at once, not queue"
+    assert info.value.status_code == 503 and info.value.body["code"] == "overloaded", info.value.body
+    assert server.metric("neuron_async_sm_requests_rejected_total", reason="overloaded") == 1
+    for stream in streams:
+        stream.stream.close()  # every client leaves: their requests are aborted, slots come back
+    server.wait_for(
+        lambda: (
+            server.metric("neuron_async_sm_kv_slots_free") == 2
+            and server.metric("neuron_async_sm_num_requests_waiting") == 0
+        ),
+        "slots back",
+    )
+    assert server.client().completions.create(model="tiny-llama", prompt=[9, 9], max_tokens=2).choices
+
+
+def sigterm_lets_short_streams_finish_aborts_the_rest_and_exits_0(server: ServerProcess, stats: Path) -> None:
     short = OpenStream(server, [5, 6, 7], max_tokens=10, temperature=0.0, extra_body={"ignore_eos": True})
     long = OpenStream(server, [8, 9], **LONG)
     assert short.first.wait(30) and long.first.wait(30)

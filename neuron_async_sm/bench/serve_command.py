@@ -234,6 +234,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         modes = ["async" if args.async_scheduling else "sync"]
     servers: list[ServerProcess] = []
     report: dict = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         if args.base_url is None:
             log_dir = Path(args.server_log_dir or tempfile.mkdtemp(prefix="bench-serve-"))
@@ -260,6 +261,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     finally:
         for server in servers:
             server.stop()
+        signal.signal(signal.SIGTERM, previous_sigterm)
     report["machine"]["load_avg_end"] = load_average()
     report["config"] = {
         "model": args.model,
@@ -288,6 +290,12 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
         print(f"wrote {write_serve_plot(report, args.plots)}")
     return EXIT_OK if all(r["failed"] == 0 for r in runs) else EXIT_FAILED
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM ends the benchmark through the `finally` that stops our servers, as Ctrl-C does; its default
+    action would end this process alone and leave both servers (and their device processes) running."""
+    raise SystemExit(128 + signum)
 
 
 async def _drive(
