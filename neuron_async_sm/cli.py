@@ -241,12 +241,25 @@ def run_demo(args: argparse.Namespace) -> int:
     return _run_requests(args, requests, None)
 
 
+def check_writable(path: str | None, flag: str) -> None:
+    """A file written at the end of a run, checked before any compute (its directory made, the file
+    created): an unwritable path must not cost the whole run. ConfigError naming the flag."""
+    if path is None:
+        return
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).touch()
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot write {path}: {exc.strerror or exc}") from exc
+
+
 def _run_requests(args: argparse.Namespace, items: list[PromptRequest | RequestOutput], tokenizer: object) -> int:
     """Run every request, keeping each result durable as it finishes; return the exit code.
 
     Rejected lines (RequestOutput) are results already. Exit codes: see EXIT_* above.
     """
     # Checked before the engine starts: an unwritable path must not cost the whole compute.
+    check_writable(args.stats, "--stats")
     results = ResultsFile(args.output, [item.request_id for item in items], tokenizer)  # type: ignore[misc]
     outputs: dict[str, RequestOutput] = {}
 
@@ -331,7 +344,6 @@ def _report(stats: dict, elapsed: float, stats_path: str | None, outputs: list[R
         count = sum(o is not None and o.finish_reason == "error" and _error_kind(o.error) == kind for o in outputs)
         print(f"  {count} failed with {kind}; first: {message}", file=sys.stderr)
     if stats_path:
-        Path(stats_path).parent.mkdir(parents=True, exist_ok=True)
         Path(stats_path).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
 
 

@@ -308,3 +308,15 @@ def test_cli_unwritable_output_is_one_line_naming_the_file(tmp_path, capsys):
     assert main(generate_argv(prompts, blocker / "out.jsonl", process=False)) == 2  # before the device starts
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot write {blocker}: ") and "[Errno" not in err, err
+
+
+def test_cli_unwritable_stats_file_fails_before_the_run(tmp_path, capsys):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the stats file's directory should be")
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [1, 2], "max_tokens": 2}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(generate_argv(prompts, out, "--stats", blocker / "stats.json", process=False)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --stats: cannot write {blocker / 'stats.json'}: ") and "[Errno" not in err, err
+    assert not out.exists() and not out.with_name("out.jsonl.partial").exists(), "nothing may have run"

@@ -60,7 +60,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from neuron_async_sm.cli import EXIT_OK, EXIT_USAGE, _engine_config
+    from neuron_async_sm.cli import EXIT_OK, EXIT_USAGE, _engine_config, check_writable
 
     try:
         from neuron_async_sm.serve.app import Server, ServeSettings, build_app
@@ -77,13 +77,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_waiting < 0 or not args.shutdown_timeout_s >= 0 or not 0 <= args.port < 65536:
         print("error: --max-waiting and --shutdown-timeout-s must be >= 0, --port in [0, 65536)", file=sys.stderr)
         return EXIT_USAGE
-    if args.stats:  # checked before the device starts, as generate checks its output
-        try:
-            Path(args.stats).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.stats).touch()
-        except OSError as exc:
-            print(f"error: --stats: cannot write {args.stats}: {exc.strerror or exc}", file=sys.stderr)
-            return EXIT_USAGE
+    check_writable(args.stats, "--stats")  # before the device starts
     tokenizer = ServedTokenizer.load(args.model)
     llm = LLM(args.model, **_engine_config(args))
     name = args.served_model_name or args.model
