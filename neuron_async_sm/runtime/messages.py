@@ -55,7 +55,8 @@ class WireTensor:
         if not self.data:
             return torch.empty(self.shape, dtype=self.dtype)
         # bytearray: torch.frombuffer on immutable bytes yields a tensor that must never be written.
-        return torch.frombuffer(bytearray(self.data), dtype=self.dtype).reshape(self.shape)
+        flat = torch.frombuffer(bytearray(self.data), dtype=self.dtype)
+        return flat if len(self.shape) == 1 else flat.reshape(self.shape)  # 1-D (sampled tokens): as read
 
 
 @dataclass(frozen=True)
