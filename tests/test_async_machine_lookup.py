@@ -25,8 +25,12 @@ def _observations() -> list[sm.StepObservation]:
 OBSERVATIONS = _observations()
 
 
+REFERENCE = sm.reference_machine()
+
+
 def _reference(state: str, trigger: str, obs: sm.StepObservation) -> str:
-    machine = sm.reference_machine(initial=state)
+    machine = REFERENCE
+    machine.set_state(state)
     try:
         getattr(machine, trigger)(obs=obs)
     except MachineError:
