@@ -505,10 +505,11 @@ AdvanceStep ==  \* update_from_output: deliver the oldest step's tokens, discove
            sampled == {i \in DOMAIN st.rows : st.outIdx[i] > 0}
            owner == [i \in sampled |-> st.rows[i]]
            live == {i \in sampled : Delivers(st, i)}  \* others' tokens are discarded
+           \* each gets one token: Len(newDelivered[r]) = Len(delivered[r]) + 1 (TLC re-evaluates a LET per use)
            getting == {owner[i] : i \in live}
            newDelivered == Override(delivered, [r \in getting |->
                                                   Append(delivered[r], st.result[CHOOSE i \in live : owner[i] = r])])
-           atMax == {owner[i] : i \in {j \in live : Len(newDelivered[owner[j]]) >= MaxTokens[owner[j]]}}
+           atMax == {owner[i] : i \in {j \in live : Len(delivered[owner[j]]) + 1 >= MaxTokens[owner[j]]}}
        IN
        \* EOS or a stop token: known only now that the token is on the host.
        \E eos \in SUBSET (getting \cap MayStop) :
@@ -516,7 +517,7 @@ AdvanceStep ==  \* update_from_output: deliver the oldest step's tokens, discove
            /\ delivered' = newDelivered
            /\ placeholders' = Override(placeholders, [r \in Range(owner) |-> placeholders[r] - 1])
            /\ status' = Override(status, [r \in stopped |-> "finished"])
-           /\ stopLen' = Override(stopLen, [r \in stopped |-> Len(newDelivered[r])])
+           /\ stopLen' = Override(stopLen, [r \in stopped |-> Len(delivered[r]) + 1])  \* stopped \subseteq getting
            /\ finishedIds' = finishedIds \cup stopped
     /\ batchQueue' = Tail(batchQueue)
     /\ steps' = IF Head(batchQueue) # pending THEN [steps EXCEPT ![Head(batchQueue)] = Retire(@)] ELSE steps

@@ -227,7 +227,7 @@ EngineCountersInv == cur = NoCur => engineCounts = <<numAsync, numSync>>
 \* appended in step order and taken from the head, and the device is at most Depth programs behind
 \* (PipelineDepthInv, on every state): pending, both queues and the next program are all among the
 \* last Depth + 1 steps. An older step never changes again.
-Recent == {s \in 1..Len(steps) : s > Len(steps) - (Depth + 2)}
+Recent == (IF Len(steps) > Depth + 2 THEN Len(steps) - (Depth + 1) ELSE 1)..Len(steps)  \* the last Depth + 2
 
 Prev == TraceEvents[l - 1]
 \* Requests an action can have changed: those the last logged event names (a step's rows, the
