@@ -213,7 +213,7 @@ def sampled_values(events: list[dict], records: list[dict]) -> tuple[dict[str, i
     return prompt_lens, values
 
 
-PART_EVENTS = 500  # events per TLC run: a longer trace is checked in parts, each from its predecessor's end
+PART_EVENTS = 750  # events per TLC run: a longer trace is checked in parts, each from its predecessor's end
 DEPTH = 2  # the spec's Depth: a part keeps the last Depth + 1 steps, and any older step still in flight
 
 
