@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from in_tree import run_in_tree
 
 
 def one(sizes: tuple[int, ...], repetitions: int) -> None:
@@ -31,17 +30,7 @@ def one(sizes: tuple[int, ...], repetitions: int) -> None:
 
 
 def invoke(tree: Path, sizes: str, repetitions: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--sizes", sizes, "--repetitions", str(repetitions)]
-    if os.geteuid() == 0:
-        cmd = ["nice", "-n", "-10", *cmd]
-    out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800, check=False)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        raise SystemExit(f"{tree}: no result\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    report = json.loads(lines[0][len("RESULT ") :])
-    assert report["tree"].startswith(str(tree)), f"imported {report['tree']}, not from {tree}"
-    return report
+    return run_in_tree(__file__, tree, ["--sizes", sizes, "--repetitions", str(repetitions)], timeout_s=1800, nice=True)
 
 
 def summary(results: dict[str, list[dict]]) -> dict:

@@ -18,10 +18,10 @@ import json
 import os
 import pstats
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from in_tree import run_in_tree
 
 
 def _engine(mode: str, batch: int):
@@ -129,15 +129,8 @@ def main() -> None:
     results = []
     for tree in args.trees or [Path(".")]:
         tree = tree.resolve()
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--batch", str(args.batch)]
-        cmd += ["--steps", str(args.steps), "--rounds", str(args.rounds)]
-        env = {**os.environ, "PYTHONPATH": str(tree)}
-        out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800, check=False)
-        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-        if not lines:
-            raise SystemExit(f"{tree}: no result\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-        report = json.loads(lines[0][len("RESULT ") :])
-        assert report["tree"].startswith(str(tree)), f"imported {report['tree']}, not from {tree}"
+        flags = ["--batch", str(args.batch), "--steps", str(args.steps), "--rounds", str(args.rounds)]
+        report = run_in_tree(__file__, tree, flags, timeout_s=1800)
         results.append(report)
         main_us = {m: round(v) for m, v in report["cpu_us"].items()}
         process_us = {m: round(v) for m, v in report["process_cpu_us"].items()}

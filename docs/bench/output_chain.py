@@ -14,10 +14,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from in_tree import run_in_tree
 
 
 def one(steps: int) -> dict:
@@ -97,14 +97,7 @@ def main() -> None:
     results = []
     for tree in args.trees or [Path(".")]:
         tree = tree.resolve()
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--steps", str(args.steps)]
-        env = {**os.environ, "PYTHONPATH": str(tree)}
-        out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=600, check=False)
-        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-        if not lines:
-            raise SystemExit(f"{tree}: no result\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-        report = json.loads(lines[0][len("RESULT ") :])
-        assert report["tree"].startswith(str(tree)), f"imported {report['tree']}, not from {tree}"
+        report = run_in_tree(__file__, tree, ["--steps", str(args.steps)], timeout_s=600)
         results.append(report)
         print(json.dumps(report), flush=True)
     if args.out:
