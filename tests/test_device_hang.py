@@ -177,6 +177,23 @@ def test_interrupt_during_a_hang_exits_promptly(tmp_path):
 # ---- the runtime's watchdog, on both backends ----------------------------------------------------
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_an_interrupted_step_leaves_the_engine_dead_not_half_stepped(async_scheduling):
+    """Ctrl-C inside step() can land anywhere in it (a step scheduled but not enqueued, tokens half
+    applied): every later call fails with EngineDeadError naming the interrupt instead of stepping on
+    from a state nobody knows, and the `with` block still tears down at once."""
+    with LLM("tiny-llama", device="cpu-inprocess", async_scheduling=async_scheduling, device_time_ms=5000) as llm:
+        llm.add_request([5, 6, 7], LONG, "r0")
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()  # mid-step: the device holds 5 s
+        with pytest.raises(KeyboardInterrupt):
+            while True:
+                llm.step()
+        with pytest.raises(EngineDeadError, match="interrupted"):
+            llm.step()
+        with pytest.raises(EngineDeadError, match="interrupted"):
+            llm.add_request([1, 2], LONG, "r1")
+
+
 def test_hung_device_process_releases_a_reader_and_a_blocked_enqueue():
     rt = create_runtime("cpu", ToyPrograms(), queue_depth=1, device_timeout_s=1.0)
     pid = rt.device_pid  # type: ignore[attr-defined]

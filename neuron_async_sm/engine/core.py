@@ -250,6 +250,9 @@ class EngineCore:
         except KeyboardInterrupt:
             # Hazard: a hung device. The user stopped waiting for it; shutdown() must not wait again.
             self.interrupted = True
+            # Hazard: a half-done step. The interrupt can land anywhere in it (scheduled but not
+            # enqueued, tokens half applied); stepping on from there could lose or misplace tokens.
+            self.dead_reason = "a step was interrupted (KeyboardInterrupt)"
             raise
         finally:
             self._busy_s += time.perf_counter() - started
