@@ -138,6 +138,11 @@ def test_sweep_and_host_cost_run_end_to_end() -> None:
         assert (p["host_extra_ms"] > 0) == (p["kind"] == "host spin")
         for field in ("D_over_C", "speedup", "ideal_speedup", "C_ms", "D_ms"):
             assert math.isfinite(p[field]) and p[field] > 0, (p["kind"], field)
+        # Each pair's own figures (tests/test_bench_sweep_pairs.py checks them against known timings).
+        (pair,) = p["pairs"]
+        assert pair["counted"] and p["pairs_counted"] == 1 and p["pairs_at_target"] in (0, 1)
+        assert pair["speedup"] == p["speedup"] and pair["overlap_efficiency"] == p["overlap_efficiency"]
+        assert (pair["C_ms"], pair["D_ms"]) == (p["C_ms"], p["D_ms"])
     batch = host_cost_vs_batch((1, 2), output_tokens=4, repetitions=1)
     assert [r["batch"] for r in batch["rows"]] == [1, 2]
     waiting = host_cost_vs_waiting((0, 50), running=2, steps=4)

@@ -313,6 +313,33 @@ def _print_sweep(data: dict) -> None:
             f"{p['speedup_vs_ideal']:6.3f} {p['overlap_efficiency']:10.2f} "
             f"{p['ideal_speedup_with_transport']:8.3f} {p['overlap_efficiency_with_transport']:6.2f}"
         )
+    for p in data["points"]:
+        if "pairs" in p:
+            _print_sweep_pairs(p)
+
+
+def _print_sweep_pairs(point: dict) -> None:
+    """Each alternating pair of one sweep point, and how many reach the efficiency target."""
+    asked = (
+        "real compute" if point["requested_ratio"] is None else f"D/C {point['requested_ratio']:.2f} ({point['kind']})"
+    )
+    print(
+        f"\npairs at {asked}: {point['pairs_at_target']} of {point['pairs_counted']} counted pairs reach "
+        f"efficiency {point['efficiency_target']:.2f} (median {point['overlap_efficiency']:.2f})"
+    )
+    print(
+        f"{'pair':>4s} {'first':>5s} {'speedup':>8s} {'ideal':>6s} {'efficiency':>10s} {'eff+O':>6s} {'D/C':>6s} "
+        f"{'C ms':>6s} {'D ms':>6s} {'async ms':>8s} {'idle ms':>7s} {'others':>6s} {'':>9s}"
+    )
+    for q in point["pairs"]:
+        note = "" if q["counted"] else "excluded" if q["excluded"] else "unused"
+        others = "-" if q["other_cpu"] is None or math.isnan(q["other_cpu"]) else f"{q['other_cpu']:.0%}"
+        print(
+            f"{q['repetition']:4d} {q['first']:>5s} {q['speedup']:8.3f} {q['ideal_speedup']:6.3f} "
+            f"{q['overlap_efficiency']:10.2f} {q['overlap_efficiency_with_transport']:6.2f} {q['D_over_C']:6.2f} "
+            f"{q['C_ms']:6.3f} {q['D_ms']:6.3f} {q['async_step_ms']:8.3f} {q['async_device_idle_ms']:7.3f} "
+            f"{others:>6s} {note:>9s}"
+        )
 
 
 def _print_rows(title: str, rows: list[dict], key: str) -> None:

@@ -12,6 +12,10 @@ long), so the program itself must be shorter than the D asked for: the sweep run
    One more point runs first with neither: the real compute, host and program as they are.
 3. Report the ratio actually measured (D / C of that point's sync runs) beside the requested one:
    C drifts with the machine's load, and the hold overshoots a little (the device sleeps).
+
+Each point's figures are medians over its alternating (sync, async) pairs; `pairs` keeps every pair's
+own speedup, overlap efficiency, C and D (`pair_figures`), and `pairs_at_target` counts the counted
+pairs whose efficiency reaches `EFFICIENCY_TARGET` (issue 15: at D ~ C, >= 0.95 in 4 of 5).
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ import tempfile
 from pathlib import Path
 
 from neuron_async_sm.bench.checkpoint import MICRO_LLAMA_CONFIG, write_checkpoint
-from neuron_async_sm.bench.runner import ProbedLLM, Progress, batch_config, compare_modes
+from neuron_async_sm.bench.runner import ModeComparison, ProbedLLM, Progress, batch_config, compare_modes
 from neuron_async_sm.bench.workloads import Workload, build_workload
 
 DEFAULT_RATIOS = (0.25, 0.5, 1.0, 2.0, 4.0)
 SWEEP_BATCH = 256  # large steps: the device's fixed per-program cost (~0.15 ms) is a small share of D
+EFFICIENCY_TARGET = 0.95  # issue 15: overlap efficiency at D ~ C, pair by pair
 
 
 def ideal_speedup(ratio: float) -> float:
@@ -43,6 +48,56 @@ def calibrate(model: str, workload: Workload, **config: object) -> tuple[float, 
     finally:
         engine.close()
     return (statistics.median(r["host_ms_per_step"] for r in runs), statistics.median(r["device_ms_p50"] for r in runs))
+
+
+def pair_figures(result: ModeComparison) -> list[dict]:
+    """One row per (sync, async) pair the comparison ran, in run order, with that pair's own figures
+    (the same definitions as `metrics.compare`, on one pair instead of the median over pairs).
+
+    `counted`: the pair is one of those the point's medians are over (the comparison's own per-pair
+    lists, matched by value); `excluded`: the machine was busier than --max-other-cpu during it.
+    """
+    by_rep: dict[int, dict[str, dict]] = {}
+    for run in result.runs:
+        by_rep.setdefault(run["repetition"], {})[run["mode"]] = run
+    counted = list(result.comparison["speedup_per_pair"])
+    rows = []
+    for rep in sorted(by_rep):
+        pair = by_rep[rep]
+        if set(pair) != {"sync", "async"}:
+            continue  # cannot happen: a pair's runs are recorded together
+        s, a = pair["sync"], pair["async"]
+        speedup = s["busy_s"] / a["busy_s"]
+        is_counted = speedup in counted
+        if is_counted:
+            counted.remove(speedup)
+        rows.append(
+            {
+                "repetition": rep,
+                "first": next(r["mode"] for r in result.runs if r["repetition"] == rep),
+                "counted": is_counted,
+                "excluded": s["excluded"] or a["excluded"],
+                "speedup": speedup,
+                "ideal_speedup": s["serial_s"] / s["ideal_s"],
+                "overlap_efficiency": (s["busy_s"] - a["busy_s"]) / (s["busy_s"] - s["ideal_s"]),
+                "ideal_speedup_with_transport": s["busy_s"] / s["ideal_with_transport_s"],
+                "overlap_efficiency_with_transport": (s["busy_s"] - a["busy_s"])
+                / (s["busy_s"] - s["ideal_with_transport_s"]),
+                "C_ms": s["host_ms_per_step"],  # the sync run's, as the point's C
+                "D_ms": s["device_ms_per_step"],
+                "D_over_C": s["device_ms_per_step"] / s["host_ms_per_step"],
+                "O_ms": s["sync_overhead_ms_per_step"],
+                "sync_step_ms": s["step_ms"],
+                "async_step_ms": a["step_ms"],
+                "async_C_ms": a["host_ms_per_step"],
+                "async_D_ms": a["device_ms_per_step"],
+                "async_device_idle_ms": a["device_idle_ms_per_step"],
+                "async_wait_ms": a["wait_ms_per_step"],
+                "other_cpu": max(s["other_cpu"], a["other_cpu"]),
+                "load_avg": s["load_avg"],
+            }
+        )
+    return rows
 
 
 def run_sweep(
@@ -85,6 +140,7 @@ def run_sweep(
                 **config,
             )
             c = result.comparison
+            pairs = pair_figures(result)
             points.append(
                 {
                     "kind": "device hold" if hold else "host spin" if extra else "real compute",
@@ -109,6 +165,12 @@ def run_sweep(
                     "async_device_overhead_ms": result.async_["device_overhead_ms_per_step"],
                     "excluded_pairs": c["excluded_pairs"],
                     "other_cpu": [r["other_cpu"] for r in result.runs],
+                    "pairs": pairs,  # every pair, in run order; `counted` ones make the medians above
+                    "efficiency_target": EFFICIENCY_TARGET,
+                    "pairs_counted": sum(p["counted"] for p in pairs),
+                    "pairs_at_target": sum(
+                        p["counted"] and p["overlap_efficiency"] >= EFFICIENCY_TARGET for p in pairs
+                    ),
                 }
             )
     return {
