@@ -152,3 +152,26 @@ def test_a_step_that_changes_nothing_keeps_the_row_order_and_its_slot_map():
     assert batch.row_ids is ids and batch.row_slots is slots
     batch.update(frozenset({"a"}), [])  # condense: the last row moves into the hole
     assert batch.req_ids == ["c", "b"] and batch.row_slots.tolist() == [0, 1]
+
+
+def test_a_large_write_back_lands_in_the_arrays_the_inputs_read():
+    """The write-back goes through memoryviews of the batch's arrays: the tokens and counts it writes
+    are what the next inputs gather, at a batch past the old scatter threshold (32 rows), with rows
+    that are gone or sample nothing skipped."""
+    slots = 40
+    batch = InputBatch(slots, 16)
+    batch.update(frozenset(), [state(f"r{i}", [i % 7 + 1, 2], slot=i) for i in range(slots)])
+    ids = tuple(f"r{i}" for i in range(slots)) + ("gone",)
+    positions = tuple(None if i == 5 else 2 for i in range(slots)) + (2,)
+    batch.write_tokens(ids, positions, [100 + i for i in range(slots)] + [999])
+    for i in range(slots):
+        assert batch.requests[f"r{i}"].token_ids == [i % 7 + 1, 2] + ([] if i == 5 else [100 + i])
+    assert batch.token_ids[:, 2].tolist() == [POISON_TOKEN if i == 5 else 100 + i for i in range(slots)]
+    assert batch.num_tokens.tolist() == [2 if i == 5 else 3 for i in range(slots)]
+    scheduled = {f"r{i}": 1 for i in range(slots) if i != 5}
+    so = SchedulerOutput(0, scheduled, dict.fromkeys(scheduled, 2), [], frozenset(), frozenset(), True)
+    req_ids, rows = batch.scheduled_rows(so.num_scheduled_tokens)
+    got = build_model_input(
+        EngineConfig(max_num_seqs=slots, max_model_len=16, decode_buckets=(64,)), so, batch, req_ids, rows
+    )
+    assert got.input_ids.tolist()[: slots - 1] == [100 + i for i in range(slots) if i != 5]
