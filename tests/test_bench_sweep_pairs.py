@@ -86,9 +86,11 @@ def test_the_sweep_json_carries_every_pair(monkeypatch: pytest.MonkeyPatch, tmp_
     monkeypatch.setattr(sweep, "calibrate", lambda *a, **k: (C_MS, 0.5))
     monkeypatch.setattr(sweep, "compare_modes", fake_compare_modes)
     out = tmp_path / "sweep.json"
-    argv = ["bench", "--no-compare", "--sweep", "1", "--repetitions", "3", "--json", str(out), "--no-progress"]
-    assert main(argv) == 0
-    points = json.loads(out.read_text())["sweep"]["points"]
+    argv = ["bench", "--no-compare", "--sweep", "1", "--sweep-batch", "8", "--repetitions", "3", "--json", str(out)]
+    assert main([*argv, "--no-progress"]) == 0
+    report = json.loads(out.read_text())["sweep"]
+    assert report["batch"] == 8
+    points = report["points"]
     assert [p["kind"] for p in points] == ["real compute", "device hold"]
     for point in points:
         pairs = point["pairs"]

@@ -56,6 +56,16 @@ def _floats(text: str) -> tuple[float, ...]:
     return values
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from exc
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _device_cpu(text: str) -> int | None:
     if text == "none":
         return None
@@ -116,6 +126,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="RATIOS",
         help="D/C sweep at these ratios (default 0.25,0.5,1,2,4)",
+    )
+    p.add_argument(
+        "--sweep-batch",
+        type=_positive_int,
+        default=sweep.SWEEP_BATCH,
+        metavar="N",
+        help=f"the sweep's steady batch (default {sweep.SWEEP_BATCH}); the real-compute point's D/C moves with it",
     )
     p.add_argument("--host-cost", action="store_true", help="C per step vs batch size and vs waiting requests")
     p.add_argument("--vs-transformers", action="store_true", help="tokens/s against transformers generate()")
@@ -178,6 +195,7 @@ def run_bench(args: argparse.Namespace) -> int:
         advance, close = _progress_bar(show, 1 + 2 * (args.repetitions + 1) * (len(args.sweep) + 1), "sweep D/C")
         report["sweep"] = sweep.run_sweep(
             args.sweep,
+            batch=args.sweep_batch,
             repetitions=args.repetitions,
             progress=advance,
             engine_options=engine,
