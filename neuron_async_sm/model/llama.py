@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from neuron_async_sm.model.config import LlamaConfig
 from neuron_async_sm.model.kv_cache import KVCache
+from neuron_async_sm.model.packed import PackedBatch
 from neuron_async_sm.model.rope import RopeTable, apply_rope
 
 
@@ -131,8 +132,10 @@ class LlamaModel:
         self.compute_dtype = compute_dtype_for(dtype)
         self.scale = config.head_dim**-0.5
 
-    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch | PackedBatch, cache: KVCache) -> torch.Tensor:
         """Writes the batch's K/V into `cache`; returns logits `[B, vocab]` of each row's last valid token."""
+        if isinstance(batch, PackedBatch):
+            return self._forward_packed(batch, cache)
         w = self.weights
         hidden = F.embedding(batch.input_ids, w.embed_tokens)  # [B, L, hidden]
         rope = self.rope.lookup(batch.positions)
@@ -145,6 +148,20 @@ class LlamaModel:
         last = self._norm(hidden[rows, batch.last_index], w.norm)  # [B, hidden]: lm_head only on last tokens
         return F.linear(last, w.lm_head).to(self.compute_dtype)
 
+    def _forward_packed(self, batch: PackedBatch, cache: KVCache) -> torch.Tensor:
+        """`forward` on the packed tokens `[N]` (see model/packed.py); logits `[B, vocab]`."""
+        w = self.weights
+        if batch.input_ids.numel() == 0:  # an all-padding step: nothing to write or attend
+            return torch.zeros(batch.rows, w.lm_head.shape[0], dtype=self.compute_dtype, device=w.lm_head.device)
+        hidden = F.embedding(batch.input_ids, w.embed_tokens)  # [N, hidden]
+        rope = self.rope.cos[batch.positions].unsqueeze(1), self.rope.sin[batch.positions].unsqueeze(1)  # [N, 1, D]
+        for index, layer in enumerate(w.layers):
+            attn_in = self._norm(hidden, layer.input_norm)
+            hidden = hidden + self._attention(index, layer, attn_in, batch, rope, None, cache)
+            hidden = hidden + self._mlp(layer, self._norm(hidden, layer.post_attention_norm))
+        last = self._norm(hidden[batch.last_token], w.norm)  # [B, hidden]
+        return F.linear(last, w.lm_head).to(self.compute_dtype)
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xc = x.to(self.compute_dtype)
         xc = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
@@ -155,11 +172,13 @@ class LlamaModel:
         index: int,
         layer: LayerWeights,
         x: torch.Tensor,
-        batch: ForwardBatch,
+        batch: ForwardBatch | PackedBatch,
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         cache: KVCache,
     ) -> torch.Tensor:
+        if isinstance(batch, PackedBatch):
+            return self._packed_attention(index, layer, x, batch, rope, cache)
         cfg = self.config
         b, length, _ = x.shape
         kv, heads, dim = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
@@ -186,6 +205,49 @@ class LlamaModel:
             enable_gqa=True,
         )  # [B, heads, L, D]
         return F.linear(out.transpose(1, 2).reshape(b, length, heads * dim), layer.o_proj)
+
+    def _packed_attention(
+        self,
+        index: int,
+        layer: LayerWeights,
+        x: torch.Tensor,
+        batch: PackedBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """Attention of the packed tokens x `[N, hidden]`, group by group (model/packed.py)."""
+        cfg = self.config
+        n = x.shape[0]
+        kv, heads, dim = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
+        q, k, v = F.linear(x, layer.qkv_proj).split([heads * dim, kv * dim, kv * dim], dim=-1)
+        q = apply_rope(q.view(n, heads, dim), *rope)  # [N, heads, D]
+        k = apply_rope(k.view(n, kv, dim), *rope)  # [N, kv, D]
+        cache.write(index, batch.write_slots, batch.positions, k, v.view(n, kv, dim))
+        out = None
+        for g in batch.groups:
+            gq = q if g.query_index is None else q.index_select(0, g.query_index)  # [R * Lg, heads, D]
+            if g.window_start is None:
+                keys, values = cache.read(index, g.slot_ids, g.context_len)  # type: ignore[arg-type]
+            else:  # the rows' slots lie together: the cache window itself, no copy
+                window = slice(g.window_start, g.window_start + g.rows)
+                keys, values = cache.k[index, window, : g.context_len], cache.v[index, window, : g.context_len]
+            result = F.scaled_dot_product_attention(
+                gq.view(g.rows, g.query_len, heads, dim).transpose(1, 2),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=g.mask,
+                scale=self.scale,
+                enable_gqa=True,
+            )  # [R, heads, Lg, D]
+            result = result.transpose(1, 2).reshape(g.rows * g.query_len, heads, dim)
+            if g.result_rows is None:  # the one group, all tokens in order
+                out = result
+                continue
+            if out is None:
+                out = q.new_empty(n, heads, dim)
+            out.index_copy_(0, g.result_tokens, result.index_select(0, g.result_rows))  # type: ignore[arg-type]
+        assert out is not None
+        return F.linear(out.reshape(n, heads * dim), layer.o_proj)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)

@@ -30,6 +30,7 @@ from neuron_async_sm.model.config import LlamaConfig, load_model_config
 from neuron_async_sm.model.kv_cache import KVCache
 from neuron_async_sm.model.llama import ForwardBatch, LayerWeights, LlamaModel, LlamaWeights
 from neuron_async_sm.model.loader import load_weights
+from neuron_async_sm.model.packed import PackedBatch
 from neuron_async_sm.model.program import HOST, StepProgram
 from neuron_async_sm.model.spec import ModelSpec
 
@@ -170,7 +171,7 @@ class ShardedStepProgram(StepProgram):
         super().__init__(*args, **kwargs)
         self.rank = rank
 
-    def _prepare(self, *args, **kwargs) -> ForwardBatch:
+    def _prepare(self, *args, **kwargs) -> ForwardBatch | PackedBatch:
         batch = super()._prepare(*args, **kwargs)
         # Hazard: stale input ids. A non-output rank's CPU state lacks every sampled token; the
         # output rank's ids (checked there) replace its own before anything reads them.

@@ -13,6 +13,7 @@ from neuron_async_sm.model.config import LlamaConfig, load_model_config
 from neuron_async_sm.model.kv_cache import KVCache
 from neuron_async_sm.model.llama import ForwardBatch, LlamaModel
 from neuron_async_sm.model.loader import load_weights
+from neuron_async_sm.model.packed import PackedBatch, pack_step
 from neuron_async_sm.model.sampler import sample_tokens
 from neuron_async_sm.model.spec import ModelSpec
 
@@ -60,6 +61,9 @@ class StepProgram:
         self.kv_cache = kv_cache
         self.device = device
         self.fixed_context = device.type == "xla"
+        # Eager programs run the step's real tokens only (model/packed.py); a compiled one (XLA, or
+        # `compile`) runs the padded shape it was compiled for.
+        self.packed = not self.fixed_context
         self._compiled = None  # torch.compile of `_traced_forward` once `compile` ran; None: eager
         self.compile_report: tuple[tuple[str, float], ...] = ()  # (shape label, seconds) per compiled shape
 
@@ -129,6 +133,7 @@ class StepProgram:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, limit)
         self.model.opaque_attention = True
+        self.packed = False
         self._compiled = torch.compile(self._traced_forward, dynamic=False, fullgraph=True)
         report = []
         for shape in tqdm(shapes, desc="compiling step programs", unit="shape", disable=None):
@@ -144,8 +149,8 @@ class StepProgram:
         self.compile_report = tuple(report)
         logger.info("compiled %d step program shapes in %.1f s", len(report), sum(s for _, s in report))
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        if self._compiled is None:
+    def _forward(self, batch: ForwardBatch | PackedBatch) -> torch.Tensor:
+        if self._compiled is None or isinstance(batch, PackedBatch):
             return self.model.forward(batch, self.kv_cache)
         # Tensors only: an int (context_len) would be a guard, one program per value.
         inputs = (batch.input_ids, batch.positions, batch.write_slots, batch.slot_ids, batch.last_index)
@@ -180,7 +185,7 @@ class StepProgram:
         slot_ids: torch.Tensor,
         relay_tokens: torch.Tensor | None = None,
         relay_rows: torch.Tensor | None = None,
-    ) -> ForwardBatch:
+    ) -> ForwardBatch | PackedBatch:
         if input_ids.dim() == 1:
             input_ids, positions = input_ids.unsqueeze(1), positions.unsqueeze(1)
         b, length = input_ids.shape
@@ -210,6 +215,8 @@ class StepProgram:
             # decode row, so its one token is column 0. Never read back (a blocking sync on a lazy device).
             gathered = relay_tokens.to(dev).long()[relay_rows.long().clamp(min=0).to(dev)]  # [B]
             ids[:, 0] = torch.where(relayed.to(dev), gathered, ids[:, 0])
+        if self.packed:
+            return pack_step(ids, pos, query_lens, slot_ids, dev)
         return ForwardBatch(
             input_ids=ids,
             positions=pos.to(dev),
