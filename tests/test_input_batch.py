@@ -6,6 +6,7 @@ import torch
 
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.outputs import SchedulerOutput
+from neuron_async_sm.runtime import WireTensor
 from neuron_async_sm.sampling_params import SamplingParams
 from neuron_async_sm.worker.input_batch import POISON_TOKEN, CachedRequestState, InputBatch, next_row_order
 from neuron_async_sm.worker.model_input import build_model_input, padded_input_shape
@@ -107,6 +108,12 @@ def test_vectorized_inputs_equal_the_per_request_reference_through_adds_removes_
             assert getattr(got, name).tolist() == want[name], name
         for name in ("temperature", "top_p"):
             assert torch.allclose(getattr(got, name), torch.tensor(want[name], dtype=torch.float32)), name
+        # What the runtime is sent: the inputs encoded once with the rows are the step's own tensors.
+        sent, tensors = got.step_inputs(), got.program_inputs()
+        assert sent.keys() == tensors.keys() and len(got.encoded) == (6 if so.all_decode else 5)
+        for name, value in sent.items():
+            value = value.decode() if isinstance(value, WireTensor) else value
+            assert value.dtype == tensors[name].dtype and torch.equal(value, tensors[name]), name
         for r, n in scheduled.items():
             computed[r] += n
         if rng.random() < 0.8:  # the step's write-back (sometimes late: the test never writes it)

@@ -16,6 +16,7 @@ from neuron_async_sm.runtime import (
     DeviceProgramError,
     DeviceRuntime,
     TensorSpec,
+    WireTensor,
     create_runtime,
 )
 
@@ -163,3 +164,20 @@ def test_host_inputs_are_copied_at_enqueue(rt: DeviceRuntime, gate: Gate) -> Non
     x.fill_(0)  # the device must still see the value at enqueue time
     gate.open()
     assert future.to_host().tolist() == [1, 2, 3, 4]
+
+
+def test_an_encoded_host_tensor_is_an_input_like_the_tensor(rt: DeviceRuntime) -> None:
+    """A WireTensor (a host tensor as immutable bytes, encoded once by the caller) is sent as is: the
+    program sees the tensor, counted as an upload; a WireTensor over mutable data is refused."""
+    wire = WireTensor.encode(x4())
+    out = rt.enqueue("add", {"a": wire, "b": x4()}, I32).to_host()
+    assert out.tolist() == [2, 4, 6, 8]
+    assert rt.stats().host_uploads == 2
+    with pytest.raises(TypeError, match="must be bytes"):
+        rt.enqueue("add_one", {"x": WireTensor(bytearray(wire.data), wire.shape, wire.dtype)}, I32)
+
+
+def test_an_encoded_host_tensor_is_an_input_on_a_local_device() -> None:
+    with create_runtime("accelerator", ToyPrograms()) as runtime:
+        out = runtime.enqueue("add", {"a": WireTensor.encode(x4()), "b": x4()}, I32).to_host()
+        assert out.tolist() == [2, 4, 6, 8]

@@ -10,6 +10,7 @@ from .api import DeviceFuture, DeviceRuntime, Program, ProgramFactory, RuntimeSt
 from .config import DeviceKind, RuntimeConfig, keep_off_cpu
 from .create import RuntimeFactory, create_runtime, create_runtime_from_config
 from .errors import DeviceHungError, DeviceLostError, DeviceProgramError, DeviceStartupError
+from .messages import WireTensor
 
 __all__ = [
     "DeviceFuture",
@@ -26,6 +27,7 @@ __all__ = [
     "RuntimeStats",
     "TensorSpec",
     "WarmupCall",
+    "WireTensor",
     "create_runtime",
     "create_runtime_from_config",
     "keep_off_cpu",

@@ -163,8 +163,10 @@ class DeviceRuntime(ABC):
         """Enqueue ``program(**inputs)`` and return the future of its output.
 
         Host tensors are copied at enqueue time; a ``DeviceFuture`` input is
-        consumed on the device. Raises ``DeviceLostError`` once the runtime is
-        dead or closed.
+        consumed on the device. A ``WireTensor`` (``WireTensor.encode(tensor)``:
+        a host tensor as immutable bytes) is a host input too, sent as is: a
+        caller that passes the same unchanging tensor on every call encodes it
+        once. Raises ``DeviceLostError`` once the runtime is dead or closed.
 
         ``out`` is what the caller expects. The output's shape must equal it;
         its dtype may be another one of the same kind (an integer width a

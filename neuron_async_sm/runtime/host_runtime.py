@@ -124,25 +124,54 @@ class HostRuntime(DeviceRuntime):
         """The device process id (fault tests kill it); None for the in-process backend."""
         return self._channel.pid
 
-    def enqueue(self, program: str, inputs: Mapping[str, torch.Tensor | DeviceFuture], out: TensorSpec) -> DeviceFuture:
+    def enqueue(
+        self, program: str, inputs: Mapping[str, torch.Tensor | DeviceFuture | WireTensor], out: TensorSpec
+    ) -> DeviceFuture:
         if program not in self._programs:
             raise ValueError(f"unknown program {program!r}; this device has {sorted(self._programs)}")
-        wire = {name: self._wire_input(name, value) for name, value in inputs.items()}
-        uploads = [arg.nbytes for arg in wire.values() if isinstance(arg, WireTensor)]
+        # One pass over the inputs, exact type checks first (this runs on every step; isinstance on a
+        # future goes through ABCMeta): host tensors are encoded now (copied: later host writes cannot
+        # reach the device), an encoded WireTensor is immutable bytes and goes as is.
+        wire: dict[str, ProgramInput] = {}
+        fed: list[tuple[str, HostFuture]] = []
+        upload_bytes = uploads = 0
+        for name, value in inputs.items():
+            kind = type(value)
+            if kind is torch.Tensor:
+                arg = WireTensor.encode(value)
+            elif kind is WireTensor:
+                if type(value.data) is not bytes:  # bytes are immutable: sent as is, never copied
+                    raise TypeError(
+                        f"input {name!r}: a WireTensor's data must be bytes, got {type(value.data).__name__}"
+                    )
+                arg = value
+            elif isinstance(value, HostFuture):
+                if value.owner is not self:
+                    raise ValueError(f"input {name!r}: {value!r} belongs to another runtime")
+                fed.append((name, value))
+                wire[name] = FutureRef(value.future_id)  # device-to-device: the host never sees the value
+                continue
+            elif isinstance(value, torch.Tensor):
+                arg = WireTensor.encode(value)
+            else:
+                raise TypeError(f"input {name!r}: expected a tensor or a DeviceFuture, got {type(value).__name__}")
+            wire[name] = arg
+            upload_bytes += len(arg.data)
+            uploads += 1
+        push = out.dtype.itemsize * math.prod(out.shape) <= PUSH_MAX_BYTES
         self._flight.acquire_slot()
         finished = threading.Event()
         sent = False
         try:
             with self._send_lock:
-                for name, value in inputs.items():
+                for name, value in fed:
                     # Hazard: freed in-flight input. A released future's device memory is gone (or
                     # will be, by the time this program runs); checked under the send lock, which
                     # release() holds while it flags the future and sends the Release.
-                    if isinstance(value, HostFuture) and value.released:
+                    if value.released:
                         raise ValueError(f"input {name!r}: {value!r} was released")
                 seq = self._next_seq
                 self._next_seq += 1
-                push = out.dtype.itemsize * math.prod(out.shape) <= PUSH_MAX_BYTES
                 with self._state_cv:
                     # Registered under the state lock: a device loss either sees this entry and
                     # sets it, or happened first and we raise — the waiter can never hang.
@@ -152,14 +181,14 @@ class HostRuntime(DeviceRuntime):
                     if push:
                         self._pushed[seq] = None
                     # One message instead of two: the device frees these before it runs the program.
-                    releases = self._take_deferred_releases_locked()
+                    releases = self._take_deferred_releases_locked() if self._deferred_releases else ()
                 self._send(RunProgram(seq, program, wire, out.shape, out.dtype, push, releases))
                 sent = True
         finally:
             if not sent:
                 self._flight.return_slot()
         if uploads:
-            self._stats.host_upload(sum(uploads), len(uploads))
+            self._stats.host_upload(upload_bytes, uploads)
         return HostFuture(self, seq, out, finished)
 
     def stats(self) -> RuntimeStats:
@@ -254,15 +283,6 @@ class HostRuntime(DeviceRuntime):
         self._deferred_releases.append(future_id)
 
     # ---- internals -------------------------------------------------------------------------------
-
-    def _wire_input(self, name: str, value: torch.Tensor | DeviceFuture) -> ProgramInput:
-        if isinstance(value, HostFuture):
-            if value.owner is not self:
-                raise ValueError(f"input {name!r}: {value!r} belongs to another runtime")
-            return FutureRef(value.future_id)  # device-to-device: the host never sees the value
-        if isinstance(value, torch.Tensor):
-            return WireTensor.encode(value)  # copied now: later host writes cannot reach the device
-        raise TypeError(f"input {name!r}: expected a tensor or a DeviceFuture, got {type(value).__name__}")
 
     def _take_deferred_releases_locked(self) -> tuple[int, ...]:
         """The futures GC'd since the last send, forgotten here. Caller holds ``_send_lock`` and ``_state_cv``.

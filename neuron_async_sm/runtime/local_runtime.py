@@ -26,6 +26,7 @@ from .device_loop import FailedValue
 from .errors import DeviceProgramError, DeviceStartupError
 from .host_future import HostFuture
 from .in_flight import InFlight, RuntimeState
+from .messages import WireTensor
 from .stats import StatsRecorder, graph_compilations
 
 logger = logging.getLogger("neuron_async_sm")
@@ -260,13 +261,15 @@ class LocalRuntime(DeviceRuntime):
 
     # ---- internals -------------------------------------------------------------------------------
 
-    def _copy_input(self, name: str, value: torch.Tensor | DeviceFuture) -> torch.Tensor | None:
+    def _copy_input(self, name: str, value: torch.Tensor | DeviceFuture | WireTensor) -> torch.Tensor | None:
         if isinstance(value, HostFuture):
             if value.owner is not self:
                 raise ValueError(f"input {name!r}: {value!r} belongs to another runtime")
             return None  # device-to-device: passed as is
         if isinstance(value, torch.Tensor):
             return value.detach().to("cpu", copy=True)  # copied now: later host writes cannot reach the device
+        if type(value) is WireTensor:
+            return value.decode()  # an encoded host tensor: its bytes are immutable, decode() copies them
         raise TypeError(f"input {name!r}: expected a tensor or a DeviceFuture, got {type(value).__name__}")
 
     def _launch(

@@ -167,11 +167,27 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _ints(values: object) -> bool:
-    return type(values) is tuple and all(type(v) is int for v in values)
+    if type(values) is not tuple:
+        return False
+    for v in values:
+        if type(v) is not int:
+            return False
+    return True
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """str(dtype) ("torch.int32"), cached: the step messages name a dtype per tensor."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
 
 
 def _plain(tensor: WireTensor | None) -> tuple | None:
-    return None if tensor is None else (tensor.data, tensor.shape, str(tensor.dtype))
+    return None if tensor is None else (tensor.data, tensor.shape, _dtype_name(tensor.dtype))
 
 
 def _plain_ok(tensor: WireTensor | FutureRef | None) -> bool:
@@ -180,6 +196,23 @@ def _plain_ok(tensor: WireTensor | FutureRef | None) -> bool:
     if tensor is None or type(tensor) is FutureRef:
         return True
     return type(tensor) is WireTensor and type(tensor.data) is bytes and _ints(tensor.shape)
+
+
+def _plain_inputs(inputs: dict[str, ProgramInput]) -> dict[str, object] | None:
+    """A RunProgram's inputs as marshal writes them (a FutureRef as its id, a tensor as a plain
+    tuple), in one pass; None if one of them is not exactly of the plain types (then it is pickled)."""
+    plain: dict[str, object] = {}
+    for name, arg in inputs.items():
+        kind = type(arg)
+        if kind is WireTensor:
+            if type(arg.data) is not bytes or not _ints(arg.shape) or type(name) is not str:
+                return None
+            plain[name] = (arg.data, arg.shape, _dtype_name(arg.dtype))
+        elif kind is FutureRef and type(name) is str and type(arg.future_id) is int:
+            plain[name] = arg.future_id
+        else:
+            return None
+    return plain
 
 
 def _wire(plain: tuple | None) -> WireTensor | None:
@@ -196,13 +229,9 @@ def encode(message: HostMessage | DeviceMessage) -> bytes:
         and _ints(message.out_shape)
         and _ints(message.releases)
         and type(message.push_output) is bool
-        and all(type(name) is str and _plain_ok(arg) for name, arg in message.inputs.items())
+        and (inputs := _plain_inputs(message.inputs)) is not None
     ):
-        inputs = {
-            name: arg.future_id if type(arg) is FutureRef else _plain(arg)  # type: ignore[arg-type]
-            for name, arg in message.inputs.items()
-        }
-        fields = (message.seq, message.program, inputs, message.out_shape, str(message.out_dtype))
+        fields = (message.seq, message.program, inputs, message.out_shape, _dtype_name(message.out_dtype))
         return _RUN_PROGRAM + marshal.dumps((*fields, message.push_output, message.releases))
     if (
         kind is ProgramDone

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -10,6 +11,7 @@ import torch
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.model import sample_tokens
 from neuron_async_sm.outputs import SchedulerOutput
+from neuron_async_sm.runtime import WireTensor
 from neuron_async_sm.worker.input_batch import InputBatch
 
 _FORWARD_INPUTS = ("input_ids", "positions", "query_lens", "slot_ids")
@@ -33,10 +35,17 @@ class ModelInput:
     top_p: torch.Tensor  # float32 [B]
     seeds: torch.Tensor  # int64 [B]
     output_index: torch.Tensor  # int64 [B]
+    # Inputs above that are already encoded for the runtime (the step's RowInputs), by input name:
+    # the same bytes as the tensor, sent as is instead of encoded again on every step.
+    encoded: Mapping[str, WireTensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_rows(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def step_inputs(self) -> dict[str, object]:
+        """`program_inputs()` for the runtime: the inputs in `encoded` as their WireTensors."""
+        return self.program_inputs() | self.encoded
 
     def program_inputs(self, input_ids: object | None = None) -> dict[str, object]:
         """Keyword inputs of the step program; `input_ids` may be replaced by a device future."""
@@ -101,6 +110,8 @@ class RowInputs:
     top_k: torch.Tensor  # int32 [B]
     top_p: torch.Tensor  # float32 [B]
     seeds: torch.Tensor  # int64 [B]
+    # The decode step's inputs among these, encoded once for the runtime (ModelInput.encoded).
+    decode_encoded: Mapping[str, WireTensor]
 
 
 def _padded(values: np.ndarray, num_padded: int, fill: float, dtype: type) -> torch.Tensor:
@@ -116,16 +127,25 @@ def row_inputs(
     cached = batch.row_inputs_cache
     if isinstance(cached, RowInputs) and cached.num_padded == num_padded and cached.req_ids == req_ids:
         return cached
+    fixed = {
+        "query_lens": _padded(np.ones(len(req_ids)), num_padded, 0, np.int32),
+        "slot_ids": _padded(slots, num_padded, config.max_num_seqs, np.int32),  # padding rows use the scratch slot
+        "temperature": _padded(batch.temperature[slots], num_padded, 0.0, np.float32),
+        "top_k": _padded(batch.top_k[slots], num_padded, 0, np.int32),
+        "top_p": _padded(batch.top_p[slots], num_padded, 1.0, np.float32),
+        "seeds": _padded(batch.seeds[slots], num_padded, 0, np.int64),
+    }
     rows = RowInputs(
         req_ids=req_ids,
         num_padded=num_padded,
         num_prompt=batch.num_prompt_tokens[slots],
-        decode_query_lens=_padded(np.ones(len(req_ids)), num_padded, 0, np.int32),
-        slot_ids=_padded(slots, num_padded, config.max_num_seqs, np.int32),  # padding rows use the scratch slot
-        temperature=_padded(batch.temperature[slots], num_padded, 0.0, np.float32),
-        top_k=_padded(batch.top_k[slots], num_padded, 0, np.int32),
-        top_p=_padded(batch.top_p[slots], num_padded, 1.0, np.float32),
-        seeds=_padded(batch.seeds[slots], num_padded, 0, np.int64),
+        decode_query_lens=fixed["query_lens"],
+        slot_ids=fixed["slot_ids"],
+        temperature=fixed["temperature"],
+        top_k=fixed["top_k"],
+        top_p=fixed["top_p"],
+        seeds=fixed["seeds"],
+        decode_encoded={name: WireTensor.encode(tensor) for name, tensor in fixed.items()},
     )
     batch.row_inputs_cache = rows
     return rows
@@ -173,6 +193,7 @@ def build_model_input(
             top_p=rows.top_p,
             seeds=rows.seeds,
             output_index=torch.from_numpy(output_index),
+            encoded=rows.decode_encoded,
         )
     width = shape[1]
     count = np.fromiter(map(scheduled.num_scheduled_tokens.__getitem__, req_ids), np.int64, num_rows)  # [R]
@@ -201,4 +222,5 @@ def build_model_input(
         top_p=rows.top_p,
         seeds=rows.seeds,
         output_index=_padded(np.maximum(end - num_prompt, 0), num_padded, 0, np.int64),
+        encoded={k: v for k, v in rows.decode_encoded.items() if k != "query_lens"},  # a prefill's are per step
     )

@@ -123,7 +123,7 @@ class ModelRunner:
         model_input = self._prepare_model_input(scheduled)
         if path is not None:
             assert model_input.req_ids == self._step_req_ids, "row order differs from the observed order"
-        inputs = model_input.program_inputs() | self._future_inputs(plan.input_source, model_input)
+        inputs = model_input.step_inputs() | self._future_inputs(plan.input_source, model_input)
         if self.tracer.enabled:
             self._step_inputs = self._traced_inputs(plan.input_source, model_input)
         if self.config.on_device_sampling:
