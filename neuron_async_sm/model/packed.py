@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # A window of the cache may hold up to this many times the group's rows: a slot in the window that
@@ -70,115 +71,108 @@ def pack_step(
     device: torch.device,
 ) -> PackedBatch:
     """Packs a padded step (`input_ids` on `device`, the rest host int64: positions `[B, L]`,
-    query_lens and slot_ids `[B]`) into its real tokens and attention groups."""
-    b, length = positions.shape
-    valid = torch.arange(length).unsqueeze(0) < query_lens.unsqueeze(1)  # [B, L]
-    flat = valid.reshape(-1).nonzero().squeeze(1)  # [N]: packed token -> index in [B * L]
-    starts = query_lens.cumsum(0) - query_lens  # [B]: each row's first packed token
-    pos = positions.reshape(-1)[flat]
+    query_lens and slot_ids `[B]`) into its real tokens and attention groups.
+
+    The index arithmetic runs in numpy on the host (arrays of at most a few hundred entries, where a
+    numpy call costs a fraction of a torch op's dispatch); only the results become tensors.
+    """
+    lens, slots, pos = query_lens.numpy(), slot_ids.numpy(), positions.numpy()
+    b, length = pos.shape
+    starts = np.cumsum(lens) - lens  # [B]: each row's first packed token
+    if length == 1:
+        flat = np.flatnonzero(lens)  # [N]: packed token -> index in [B * L]
+    else:
+        flat = np.flatnonzero(np.arange(length)[None, :] < lens[:, None])
+    num_tokens = flat.size
     groups = []
-    one = (query_lens == 1).nonzero().squeeze(1)
-    if one.numel():
-        groups.append(_one_token_group(one, starts[one], slot_ids[one], positions[one, 0], int(flat.numel())))
-    chunks = (query_lens > 1).nonzero().squeeze(1)
-    if chunks.numel():
-        groups.append(_chunk_group(chunks, starts[chunks], query_lens[chunks], slot_ids[chunks], positions[chunks]))
+    one = np.flatnonzero(lens == 1)
+    if one.size:
+        groups.append(_one_token_group(starts[one], slots[one], pos[one, 0], num_tokens, device))
+    chunks = np.flatnonzero(lens > 1)
+    if chunks.size:
+        groups.append(_chunk_group(starts[chunks], lens[chunks], slots[chunks], pos[chunks], device))
+    ids = input_ids.reshape(-1)
+    if num_tokens != b * length:
+        ids = ids[_tensor(flat, device)]
     return PackedBatch(
-        input_ids=input_ids.reshape(-1)[flat.to(device)],
-        positions=pos.to(device),
-        write_slots=slot_ids.repeat_interleave(query_lens).to(device),
-        last_token=torch.where(query_lens > 0, starts + query_lens - 1, 0).to(device),
-        groups=tuple(_to(g, device) for g in groups),
+        input_ids=ids,
+        positions=_tensor(pos.reshape(-1)[flat], device),
+        write_slots=_tensor(np.repeat(slots, lens), device),
+        last_token=_tensor(np.where(lens > 0, starts + lens - 1, 0), device),
+        groups=tuple(groups),
         rows=b,
     )
 
 
 def _one_token_group(
-    rows: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, num_tokens: int
+    tokens: np.ndarray, slots: np.ndarray, positions: np.ndarray, num_tokens: int, device: torch.device
 ) -> AttentionGroup:
     """Rows of one token each (`tokens` their packed indices); a window of the cache if it fits."""
-    count = rows.numel()
+    count = tokens.size
     low, high = int(slots.min()), int(slots.max())
     span = high - low + 1
     context_len = int(positions.max()) + 1
+    tokens_in_order = count == num_tokens and bool((tokens == np.arange(count)).all())
     if span > WINDOW_SLACK * count:  # scattered slots: gather them
-        in_order = count == num_tokens and bool((tokens == torch.arange(count)).all())
         return AttentionGroup(
             rows=count,
             query_len=1,
-            query_index=None if in_order else tokens,
+            query_index=None if tokens_in_order else _tensor(tokens, device),
             window_start=None,
-            slot_ids=slots,
-            mask=_mask(positions.unsqueeze(1), context_len),
+            slot_ids=_tensor(slots, device),
+            mask=_mask(positions[:, None], context_len, device),
             context_len=context_len,
-            result_rows=None if in_order else torch.arange(count),
-            result_tokens=None if in_order else tokens,
+            result_rows=None if tokens_in_order else _tensor(np.arange(count), device),
+            result_tokens=None if tokens_in_order else _tensor(tokens, device),
         )
     at = slots - low  # [R]: each row's place in the window
-    window_pos = torch.zeros(span, dtype=torch.int64).index_copy_(0, at, positions)
-    in_order = (
-        span == count == num_tokens
-        and bool((at == torch.arange(count)).all())
-        and bool((tokens == torch.arange(count)).all())
-    )
-    query_index = torch.zeros(span, dtype=torch.int64).index_copy_(0, at, tokens)
+    window_pos = np.zeros(span, dtype=np.int64)
+    window_pos[at] = positions
+    in_order = tokens_in_order and span == count and bool((at == np.arange(count)).all())
+    query_index = np.zeros(span, dtype=np.int64)
+    query_index[at] = tokens
     return AttentionGroup(
         rows=span,
         query_len=1,
-        query_index=None if in_order else query_index,
+        query_index=None if in_order else _tensor(query_index, device),
         window_start=low,
         slot_ids=None,
-        mask=_mask(window_pos.unsqueeze(1), context_len),
+        mask=_mask(window_pos[:, None], context_len, device),
         context_len=context_len,
-        result_rows=None if in_order else at,
-        result_tokens=None if in_order else tokens,
+        result_rows=None if in_order else _tensor(at, device),
+        result_tokens=None if in_order else _tensor(tokens, device),
     )
 
 
 def _chunk_group(
-    rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+    starts: np.ndarray, lens: np.ndarray, slots: np.ndarray, positions: np.ndarray, device: torch.device
 ) -> AttentionGroup:
     """Rows of a prompt chunk each, padded to the longest chunk among them; their slots gathered."""
-    count, longest = rows.numel(), int(lens.max())
-    col = torch.arange(longest).unsqueeze(0)  # [1, Lp]
-    valid = col < lens.unsqueeze(1)  # [R, Lp]
-    tokens = (starts.unsqueeze(1) + col).masked_fill(~valid, 0)  # [R, Lp]
-    pos = positions[:, :longest].masked_fill(~valid, 0)  # [R, Lp]
+    count, longest = lens.size, int(lens.max())
+    col = np.arange(longest)[None, :]  # [1, Lp]
+    valid = col < lens[:, None]  # [R, Lp]
+    tokens = np.where(valid, starts[:, None] + col, 0)  # [R, Lp]
+    pos = np.where(valid, positions[:, :longest], 0)  # [R, Lp]
     context_len = int(pos.max()) + 1
     flat_valid = valid.reshape(-1)
     return AttentionGroup(
         rows=count,
         query_len=longest,
-        query_index=tokens.reshape(-1),
+        query_index=_tensor(tokens.reshape(-1), device),
         window_start=None,
-        slot_ids=slots,
-        mask=_mask(pos, context_len),
+        slot_ids=_tensor(slots, device),
+        mask=_mask(pos, context_len, device),
         context_len=context_len,
-        result_rows=flat_valid.nonzero().squeeze(1),
-        result_tokens=tokens.reshape(-1)[flat_valid],
+        result_rows=_tensor(np.flatnonzero(flat_valid), device),
+        result_tokens=_tensor(tokens.reshape(-1)[flat_valid], device),
     )
 
 
-def _mask(positions: torch.Tensor, context_len: int) -> torch.Tensor:
+def _mask(positions: np.ndarray, context_len: int, device: torch.device) -> torch.Tensor:
     """Bool `[R, 1, Lg, T]`: key t visible to query (r, j) iff t <= positions[r, j]."""
-    return (torch.arange(context_len).view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)
+    return _tensor((np.arange(context_len)[None, None, :] <= positions[:, :, None])[:, None], device)
 
 
-def _to(group: AttentionGroup, device: torch.device) -> AttentionGroup:
-    if device.type == "cpu":
-        return group
-
-    def move(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device)
-
-    return AttentionGroup(
-        rows=group.rows,
-        query_len=group.query_len,
-        query_index=move(group.query_index),
-        window_start=group.window_start,
-        slot_ids=move(group.slot_ids),
-        mask=move(group.mask),  # type: ignore[arg-type]
-        context_len=group.context_len,
-        result_rows=move(group.result_rows),
-        result_tokens=move(group.result_tokens),
-    )
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor if device.type == "cpu" else tensor.to(device)
