@@ -30,9 +30,12 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--max-other-cpu", type=float, default=0.15)
     p.add_argument("--json", default=None)
+    p.add_argument("--head", default=None, help="the commit of the tree imported (default: git rev-parse)")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # The tree measured: a `git archive` export has no .git, so say which commit it is (--head).
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    head = args.head or git
     rows: dict[int, list[dict]] = {b: [] for b in batches}
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_checkpoint(Path(tmp) / "micro-llama", MICRO_LLAMA_CONFIG))
