@@ -103,7 +103,7 @@ class InputBatch:
         # ns), where a numpy scalar write or a scatter's dozen calls cost microseconds each on the
         # engine's threads, whose caches the device's program has just evicted (measured in the engine
         # at 64 rows: the scatter 86 µs of CPU, numpy scalar writes 34 µs).
-        self._token_view = memoryview(self.token_ids)  # [slots, L]
+        self.token_view = memoryview(self.token_ids)  # [slots, L]; the decode step's inputs read it too
         self._count_view = memoryview(self.num_tokens)  # [slots]
         # The padded per-row inputs of the last rows built (model_input.RowInputs), reused while the
         # same requests run in the same rows at the same padding; dropped on every add or remove.
@@ -161,7 +161,7 @@ class InputBatch:
         """
         n = len(req_ids)
         assert len(positions) == len(tokens) == n, (n, len(positions), len(tokens))
-        slot_of, token_ids, num_tokens = self._slot_of, self._token_view, self._count_view
+        slot_of, token_ids, num_tokens = self._slot_of, self.token_view, self._count_view
         for req_id, at, token in zip(req_ids, positions, tokens, strict=True):
             slot = slot_of.get(req_id)
             if slot is None or at is None:  # gone (token ownership), or a partial prefill
