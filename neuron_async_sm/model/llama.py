@@ -80,6 +80,36 @@ class LayerWeights:
 
 
 @dataclass(frozen=True)
+class DenseLayer:
+    """One layer as the forward uses it: the matrices transposed to `[in, out]`, contiguous.
+
+    A projection is then `x @ w`, which on CPU runs 1.1-2x faster than `F.linear(x, w_out_in)`
+    (batch 64 to 1; measured on tiny-llama's shapes, 1 thread), the same product.
+    """
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [hidden, (heads + 2 * kv_heads) * head_dim]
+    o: torch.Tensor  # [heads * head_dim, hidden]
+    post_attention_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [hidden, 2 * intermediate]
+    down: torch.Tensor  # [intermediate, hidden]
+
+    @staticmethod
+    def of(layer: LayerWeights) -> DenseLayer:
+        def t(w: torch.Tensor) -> torch.Tensor:
+            return w.t().contiguous()
+
+        return DenseLayer(
+            layer.input_norm,
+            t(layer.qkv_proj),
+            t(layer.o_proj),
+            layer.post_attention_norm,
+            t(layer.gate_up_proj),
+            t(layer.down_proj),
+        )
+
+
+@dataclass(frozen=True)
 class LlamaWeights:
     """All weights of a LlamaForCausalLM in the model dtype."""
 
@@ -127,7 +157,11 @@ class LlamaModel:
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, max_model_len: int, dtype: torch.dtype):
         self.opaque_attention = False
         self.config = config
-        self.weights = weights
+        # The layers' matrices live only transposed (`DenseLayer`); the [out, in] ones are dropped.
+        self.layers = tuple(DenseLayer.of(layer) for layer in weights.layers)
+        self.weights = dataclasses.replace(weights, layers=())
+        tied = weights.lm_head is weights.embed_tokens  # tied: no second copy of the embedding
+        self.lm_head_t = None if tied else weights.lm_head.t().contiguous()  # [hidden, vocab]
         self.rope = RopeTable.build(config, max_model_len, dtype).to(weights.embed_tokens.device)
         self.compute_dtype = compute_dtype_for(dtype)
         self.scale = config.head_dim**-0.5
@@ -140,13 +174,18 @@ class LlamaModel:
         hidden = F.embedding(batch.input_ids, w.embed_tokens)  # [B, L, hidden]
         rope = self.rope.lookup(batch.positions)
         mask = None if self.opaque_attention else causal_mask(batch.positions, batch.context_len)  # [B, 1, L, T]
-        for index, layer in enumerate(w.layers):
+        for index, layer in enumerate(self.layers):
             attn_in = self._norm(hidden, layer.input_norm)
             hidden = hidden + self._attention(index, layer, attn_in, batch, rope, mask, cache)
             hidden = hidden + self._mlp(layer, self._norm(hidden, layer.post_attention_norm))
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         last = self._norm(hidden[rows, batch.last_index], w.norm)  # [B, hidden]: lm_head only on last tokens
-        return F.linear(last, w.lm_head).to(self.compute_dtype)
+        return self._logits(last)
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        """Logits `[B, vocab]` in the compute dtype of the last tokens' hidden states `[B, hidden]`."""
+        logits = F.linear(last, self.weights.lm_head) if self.lm_head_t is None else last @ self.lm_head_t
+        return logits.to(self.compute_dtype)
 
     def _forward_packed(self, batch: PackedBatch, cache: KVCache) -> torch.Tensor:
         """`forward` on the packed tokens `[N]` (see model/packed.py); logits `[B, vocab]`."""
@@ -155,12 +194,11 @@ class LlamaModel:
             return torch.zeros(batch.rows, w.lm_head.shape[0], dtype=self.compute_dtype, device=w.lm_head.device)
         hidden = F.embedding(batch.input_ids, w.embed_tokens)  # [N, hidden]
         rope = self.rope.cos[batch.positions].unsqueeze(1), self.rope.sin[batch.positions].unsqueeze(1)  # [N, 1, D]
-        for index, layer in enumerate(w.layers):
+        for index, layer in enumerate(self.layers):
             attn_in = self._norm(hidden, layer.input_norm)
             hidden = hidden + self._attention(index, layer, attn_in, batch, rope, None, cache)
             hidden = hidden + self._mlp(layer, self._norm(hidden, layer.post_attention_norm))
-        last = self._norm(hidden[batch.last_token], w.norm)  # [B, hidden]
-        return F.linear(last, w.lm_head).to(self.compute_dtype)
+        return self._logits(self._norm(hidden[batch.last_token], w.norm))  # [B, hidden] -> [B, vocab]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xc = x.to(self.compute_dtype)
@@ -170,7 +208,7 @@ class LlamaModel:
     def _attention(
         self,
         index: int,
-        layer: LayerWeights,
+        layer: DenseLayer,
         x: torch.Tensor,
         batch: ForwardBatch | PackedBatch,
         rope: tuple[torch.Tensor, torch.Tensor],
@@ -182,7 +220,7 @@ class LlamaModel:
         cfg = self.config
         b, length, _ = x.shape
         kv, heads, dim = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
-        q, k, v = F.linear(x, layer.qkv_proj).split([heads * dim, kv * dim, kv * dim], dim=-1)
+        q, k, v = (x @ layer.qkv).split([heads * dim, kv * dim, kv * dim], dim=-1)
         q = apply_rope(q.view(b, length, heads, dim), *rope)  # [B, L, heads, D]
         k = apply_rope(k.view(b, length, kv, dim), *rope)  # [B, L, kv, D]
         v = v.view(b, length, kv, dim)
@@ -190,7 +228,7 @@ class LlamaModel:
             out = cached_attention(
                 q, k, v, cache.k[index], cache.v[index], batch.write_slots, batch.positions, batch.slot_ids, self.scale
             )
-            return F.linear(out.reshape(b, length, heads * dim), layer.o_proj)
+            return out.reshape(b, length, heads * dim) @ layer.o
         # Padding tokens go to the scratch slot (batch.write_slots): writing them at their row's
         # slot, position 0, would overwrite a live request's first token.
         cache.write(index, batch.write_slots, batch.positions, k, v)
@@ -204,12 +242,12 @@ class LlamaModel:
             scale=self.scale,
             enable_gqa=True,
         )  # [B, heads, L, D]
-        return F.linear(out.transpose(1, 2).reshape(b, length, heads * dim), layer.o_proj)
+        return out.transpose(1, 2).reshape(b, length, heads * dim) @ layer.o
 
     def _packed_attention(
         self,
         index: int,
-        layer: LayerWeights,
+        layer: DenseLayer,
         x: torch.Tensor,
         batch: PackedBatch,
         rope: tuple[torch.Tensor, torch.Tensor],
@@ -219,7 +257,7 @@ class LlamaModel:
         cfg = self.config
         n = x.shape[0]
         kv, heads, dim = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
-        q, k, v = F.linear(x, layer.qkv_proj).split([heads * dim, kv * dim, kv * dim], dim=-1)
+        q, k, v = (x @ layer.qkv).split([heads * dim, kv * dim, kv * dim], dim=-1)
         q = apply_rope(q.view(n, heads, dim), *rope)  # [N, heads, D]
         k = apply_rope(k.view(n, kv, dim), *rope)  # [N, kv, D]
         cache.write(index, batch.write_slots, batch.positions, k, v.view(n, kv, dim))
@@ -247,8 +285,8 @@ class LlamaModel:
                 out = q.new_empty(n, heads, dim)
             out.index_copy_(0, g.result_tokens, result.index_select(0, g.result_rows))  # type: ignore[arg-type]
         assert out is not None
-        return F.linear(out.reshape(n, heads * dim), layer.o_proj)
+        return out.reshape(n, heads * dim) @ layer.o
 
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down_proj)
+    def _mlp(self, layer: DenseLayer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = (x @ layer.gate_up).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ layer.down

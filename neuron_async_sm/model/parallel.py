@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from neuron_async_sm.model.config import LlamaConfig, load_model_config
 from neuron_async_sm.model.kv_cache import KVCache
-from neuron_async_sm.model.llama import ForwardBatch, LayerWeights, LlamaModel, LlamaWeights
+from neuron_async_sm.model.llama import DenseLayer, ForwardBatch, LayerWeights, LlamaModel, LlamaWeights
 from neuron_async_sm.model.loader import load_weights
 from neuron_async_sm.model.packed import PackedBatch
 from neuron_async_sm.model.program import HOST, StepProgram
@@ -153,7 +153,7 @@ class ShardedLlamaModel(LlamaModel):
         dist.all_reduce(out)
         return out
 
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, layer: DenseLayer, x: torch.Tensor) -> torch.Tensor:
         out = super()._mlp(layer, x)  # partial sum over this rank's intermediate columns
         dist.all_reduce(out)
         return out
