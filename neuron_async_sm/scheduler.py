@@ -28,6 +28,18 @@ from neuron_async_sm.request import FinishReason, Request, RequestStatus
 from neuron_async_sm.sampling_params import InvalidRequestError
 from neuron_async_sm.values import is_int
 
+_new_object = object.__new__
+
+
+def token_delta(req_id: str, token: int, reason: str | None = None) -> RequestDelta:
+    """`RequestDelta(req_id, [token], reason)`, built without the frozen dataclass's __init__ (one
+    object.__setattr__ per field): `update_from_output` makes one per running request on every step,
+    and the plain construction costs 3x as much (0.55 against 0.17 µs). Equal to the ordinary one
+    (tests/test_scheduler.py holds it to RequestDelta's fields)."""
+    delta = _new_object(RequestDelta)
+    delta.__dict__.update(request_id=req_id, new_token_ids=[token], finish_reason=reason, error=None)
+    return delta
+
 
 class Scheduler:
     """Waiting and running queues, KV slots, the token budget, and stop conditions."""
@@ -218,10 +230,10 @@ class Scheduler:
                     ):
                         reason = FinishReason.LENGTH
                     else:
-                        deltas.append(RequestDelta(req_id, [token]))
+                        deltas.append(token_delta(req_id, token))
                         continue  # not finished: nothing to forget
                     self._finish(request, reason)
-                    deltas.append(RequestDelta(req_id, [token], reason.value))
+                    deltas.append(token_delta(req_id, token, reason.value))
             if request.status is finished:
                 self._forget_if_done(request)
         return deltas

@@ -1,12 +1,14 @@
 """Scheduler policy: budget, chunked prefill, stop conditions, abort, async placeholders."""
 
+import dataclasses
+
 import pytest
 
 from neuron_async_sm.config import EngineConfig
-from neuron_async_sm.outputs import ModelRunnerOutput
+from neuron_async_sm.outputs import ModelRunnerOutput, RequestDelta
 from neuron_async_sm.request import Request
 from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
-from neuron_async_sm.scheduler import Scheduler
+from neuron_async_sm.scheduler import Scheduler, token_delta
 
 EOS = 2
 
@@ -202,3 +204,14 @@ def test_all_decode_only_when_every_row_decodes_one_token():
     run(s, so)
     add(s, "b", 1, max_tokens=5)  # a one-token prompt is still a prefill
     assert not s.schedule().all_decode
+
+
+@pytest.mark.parametrize("reason", [None, "stop", "length"])
+def test_a_token_delta_is_an_ordinary_request_delta(reason):
+    """update_from_output builds its deltas without RequestDelta's __init__: they must be the same
+    value, with every field RequestDelta has (a field added there and not here fails this test)."""
+    fast, plain = token_delta("r", 7, reason), RequestDelta("r", [7], reason)
+    assert type(fast) is RequestDelta and fast == plain and repr(fast) == repr(plain)
+    assert sorted(vars(fast)) == sorted(f.name for f in dataclasses.fields(RequestDelta))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.finish_reason = "abort"
