@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -28,6 +29,8 @@ from neuron_async_sm.bench.checkpoint import MICRO_LLAMA_CONFIG, write_checkpoin
 from neuron_async_sm.bench.runner import OtherLoad, ProbedLLM, batch_config
 from neuron_async_sm.bench.sweep import calibrate
 from neuron_async_sm.bench.workloads import build_workload
+
+CHAIN_THREADS = ("neuron-device-rx", "async-output")
 
 
 def _schedstat(path: str) -> tuple[int, int]:
@@ -113,6 +116,12 @@ def main() -> None:
     p.add_argument("--ratio", type=float, default=1.0)
     p.add_argument("--max-other-cpu", type=float, default=0.15)
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--chain-anywhere",
+        action="store_true",
+        help="experiment: the receiver and output threads may run on every CPU (the engine: off the device's)",
+    )
+    p.add_argument("--switch-interval-ms", type=float, default=None, help="experiment: sys.setswitchinterval")
     p.add_argument("--head", default=None, help="the commit of the tree imported (default: git rev-parse)")
     args = p.parse_args()
     # The tree measured: a `git archive` export has no .git, so say which commit it is (--head).
@@ -132,6 +141,12 @@ def main() -> None:
         try:
             for engine in engines.values():
                 engine.run(workload)
+            if args.chain_anywhere:  # an experiment: the output chain may also run on the device's CPU
+                for t in threading.enumerate():
+                    if t.name in CHAIN_THREADS and t.native_id is not None:
+                        os.sched_setaffinity(t.native_id, set(range(os.cpu_count() or 1)))
+            if args.switch_interval_ms is not None:
+                sys.setswitchinterval(args.switch_interval_ms / 1e3)
             for rep in range(args.pairs):
                 OtherLoad.wait_for_quiet(args.max_other_cpu)
                 for mode in ("sync", "async") if rep % 2 == 0 else ("async", "sync"):
@@ -158,6 +173,9 @@ def main() -> None:
         )
     if args.json:
         out = {
+            "ratio": args.ratio,
+            "chain_anywhere": args.chain_anywhere,
+            "switch_interval_ms": args.switch_interval_ms,
             "head": head,
             "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
             "C_ms": host_ms,
