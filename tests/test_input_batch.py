@@ -110,7 +110,7 @@ def test_vectorized_inputs_equal_the_per_request_reference_through_adds_removes_
             assert torch.allclose(getattr(got, name), torch.tensor(want[name], dtype=torch.float32)), name
         # What the runtime is sent: the inputs encoded once with the rows are the step's own tensors.
         sent, tensors = got.step_inputs(), got.program_inputs()
-        assert sent.keys() == tensors.keys() and len(got.encoded) == (6 if so.all_decode else 5)
+        assert sent.keys() == tensors.keys() and len(got.encoded) == (9 if so.all_decode else 5)
         for name, value in sent.items():
             value = value.decode() if isinstance(value, WireTensor) else value
             assert value.dtype == tensors[name].dtype and torch.equal(value, tensors[name]), name

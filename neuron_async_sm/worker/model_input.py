@@ -36,8 +36,8 @@ class ModelInput:
     top_p: torch.Tensor  # float32 [B]
     seeds: torch.Tensor  # int64 [B]
     output_index: torch.Tensor  # int64 [B]
-    # Inputs above that are already encoded for the runtime (the step's RowInputs), by input name:
-    # the same bytes as the tensor, sent as is instead of encoded again on every step.
+    # Inputs above that are already encoded for the runtime, by input name (a decode step: all of them;
+    # a prefill: its RowInputs'): the same bytes as the tensor, sent as is instead of encoded again.
     encoded: Mapping[str, WireTensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -185,13 +185,23 @@ def build_model_input(
         pad = [0] * (num_padded - num_rows)
         tokens = batch.token_view
         ids = array("i", [tokens[slot, p] for slot, p in zip(rows.row_slots, start, strict=True)] + pad)  # [B]
+        pos = array("i", start + pad)  # [B]
         output_index = array("q", [e - n for e, n in zip(end, rows.row_prompts, strict=True)] + pad)  # [B]
+        # Encoded from the buffers as the tensors are made: the runtime gets every input of a decode
+        # step as bytes and encodes nothing (the tensors below share these buffers, never written).
+        shape = (num_padded,)
+        encoded = {
+            **rows.decode_encoded,
+            "input_ids": WireTensor(ids.tobytes(), shape, torch.int32),
+            "positions": WireTensor(pos.tobytes(), shape, torch.int32),
+            "output_index": WireTensor(output_index.tobytes(), shape, torch.int64),
+        }
         return ModelInput(
             req_ids=req_ids,
             sample_positions=tuple(end),
             is_decode=True,
             input_ids=torch.frombuffer(ids, dtype=torch.int32),
-            positions=torch.frombuffer(array("i", start + pad), dtype=torch.int32),
+            positions=torch.frombuffer(pos, dtype=torch.int32),
             query_lens=rows.decode_query_lens,
             slot_ids=rows.slot_ids,
             temperature=rows.temperature,
@@ -199,7 +209,7 @@ def build_model_input(
             top_p=rows.top_p,
             seeds=rows.seeds,
             output_index=torch.frombuffer(output_index, dtype=torch.int64),
-            encoded=rows.decode_encoded,
+            encoded=encoded,
         )
     start = np.fromiter(map(computed.__getitem__, req_ids), np.int64, num_rows)  # [R]
     width = shape[1]

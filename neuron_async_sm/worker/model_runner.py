@@ -94,6 +94,7 @@ class ModelRunner:
         self._step_gather: list[int] = []  # ReorderRemap: per row, the pending future's row it reads
         self._step_inputs: list[list] = []  # tracing only: per row, where its input id came from
         self._header_due = tracer.enabled  # the trace's header is written by the first step's thread
+        self._sampled_specs: dict[int, TensorSpec] = {}  # rows -> the step program's output spec
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -127,7 +128,10 @@ class ModelRunner:
         if self.tracer.enabled:
             self._step_inputs = self._traced_inputs(plan.input_source, model_input)
         if self.config.on_device_sampling:
-            out = TensorSpec((model_input.num_rows,), SAMPLED_DTYPE)
+            num_rows = model_input.num_rows
+            out = self._sampled_specs.get(num_rows)
+            if out is None:  # one per bucket, kept: a TensorSpec validates itself when built
+                out = self._sampled_specs[num_rows] = TensorSpec((num_rows,), SAMPLED_DTYPE)
             future = self.runtime.enqueue(STEP_PROGRAM, inputs, out)
         else:  # sync mode only (config validation): the program returns logits
             out = TensorSpec((model_input.num_rows, self.vocab_size), logits_dtype(self.config.dtype))
