@@ -165,6 +165,8 @@ class LlamaModel:
         self.rope = RopeTable.build(config, max_model_len, dtype).to(weights.embed_tokens.device)
         self.compute_dtype = compute_dtype_for(dtype)
         self.scale = config.head_dim**-0.5
+        # F.rms_norm where it is one host op; XLA traces the plain ops (as HF writes them) instead.
+        self.fused_norm = weights.embed_tokens.device.type != "xla"
 
     def forward(self, batch: ForwardBatch | PackedBatch, cache: KVCache) -> torch.Tensor:
         """Writes the batch's K/V into `cache`; returns logits `[B, vocab]` of each row's last valid token."""
@@ -201,6 +203,8 @@ class LlamaModel:
         return self._logits(self._norm(hidden[batch.last_token], w.norm))  # [B, hidden] -> [B, vocab]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused_norm and x.dtype == self.compute_dtype:  # one op, the same arithmetic
+            return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
         xc = x.to(self.compute_dtype)
         xc = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * xc.to(x.dtype)
@@ -257,10 +261,10 @@ class LlamaModel:
         cfg = self.config
         n = x.shape[0]
         kv, heads, dim = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
-        q, k, v = (x @ layer.qkv).split([heads * dim, kv * dim, kv * dim], dim=-1)
-        q = apply_rope(q.view(n, heads, dim), *rope)  # [N, heads, D]
-        k = apply_rope(k.view(n, kv, dim), *rope)  # [N, kv, D]
-        cache.write(index, batch.write_slots, batch.positions, k, v.view(n, kv, dim))
+        qkv = (x @ layer.qkv).view(n, heads + 2 * kv, dim)
+        # q and k rotated in one pass (the same cos/sin per token): [N, heads + kv, D]
+        q, k = apply_rope(qkv[:, : heads + kv], *rope).split([heads, kv], dim=1)
+        cache.write(index, batch.write_slots, batch.positions, k, qkv[:, heads + kv :])
         out = None
         for g in batch.groups:
             gq = q if g.query_index is None else q.index_select(0, g.query_index)  # [R * Lg, heads, D]
