@@ -60,7 +60,7 @@ def _async_run(rep: int, busy_ms: float, other: float) -> dict:
         "device_ms_per_step": D_MS,
         "wait_ms_per_step": busy_ms / STEPS - C_MS,
         "device_idle_ms_per_step": busy_ms / STEPS - D_MS,
-        "device_overhead_ms_per_step": 0.0,
+        "device_overhead_ms_per_step": 0.01 * rep,
         "async_step_fraction": 1.0,
         "other_cpu": other,
         "load_avg": [0.5, 0.5, 0.5],
@@ -103,6 +103,10 @@ def test_the_sweep_json_carries_every_pair(monkeypatch: pytest.MonkeyPatch, tmp_
         assert [q["D_ms"] for q in pairs] == pytest.approx([1.0, 1.01, 1.02, 1.03])
         assert [q["D_over_C"] for q in pairs] == pytest.approx([1.0, 1.01, 1.02, 1.03])
         assert all(q["C_ms"] == C_MS for q in pairs)
+        # Where an async step's time went: its main thread's wait, and the device's idle and own cost.
+        assert [q["async_wait_ms"] for q in pairs] == pytest.approx([busy / STEPS - C_MS for busy, _ in PAIRS])
+        assert [q["async_device_idle_ms"] for q in pairs] == pytest.approx([busy / STEPS - D_MS for busy, _ in PAIRS])
+        assert [q["async_device_overhead_ms"] for q in pairs] == [0.01 * rep for rep in range(4)]
         assert [q["other_cpu"] for q in pairs] == [other for _, other in PAIRS]
         # 0.97 and 1.00 reach 0.95; 0.90 does not, and the excluded 0.99 is not counted.
         assert (point["pairs_counted"], point["pairs_at_target"], point["efficiency_target"]) == (3, 2, 0.95)

@@ -331,6 +331,12 @@ def _print_sweep(data: dict) -> None:
             f"{p['speedup_vs_ideal']:6.3f} {p['overlap_efficiency']:10.2f} "
             f"{p['ideal_speedup_with_transport']:8.3f} {p['overlap_efficiency_with_transport']:6.2f}"
         )
+    if any("pairs" in p for p in data["points"]):
+        print(
+            "\nEach pair, ms per step: C and D of its sync run; async: the async run's step, its host time C, "
+            "its main thread's wait for an earlier step's output, the device's idle time and the device's own "
+            "cost per program beyond the program (dev ovh)"
+        )
     for p in data["points"]:
         if "pairs" in p:
             _print_sweep_pairs(p)
@@ -347,7 +353,8 @@ def _print_sweep_pairs(point: dict) -> None:
     )
     print(
         f"{'pair':>4s} {'first':>5s} {'speedup':>8s} {'ideal':>6s} {'efficiency':>10s} {'eff+O':>6s} {'D/C':>6s} "
-        f"{'C ms':>6s} {'D ms':>6s} {'async ms':>8s} {'idle ms':>7s} {'others':>6s} {'':>9s}"
+        f"{'C ms':>6s} {'D ms':>6s} {'async ms':>8s} {'async C':>7s} {'wait':>6s} {'idle':>6s} {'dev ovh':>7s} "
+        f"{'others':>6s} {'':>9s}"
     )
     for q in point["pairs"]:
         note = "" if q["counted"] else "excluded" if q["excluded"] else "unused"
@@ -355,7 +362,8 @@ def _print_sweep_pairs(point: dict) -> None:
         print(
             f"{q['repetition']:4d} {q['first']:>5s} {q['speedup']:8.3f} {q['ideal_speedup']:6.3f} "
             f"{q['overlap_efficiency']:10.2f} {q['overlap_efficiency_with_transport']:6.2f} {q['D_over_C']:6.2f} "
-            f"{q['C_ms']:6.3f} {q['D_ms']:6.3f} {q['async_step_ms']:8.3f} {q['async_device_idle_ms']:7.3f} "
+            f"{q['C_ms']:6.3f} {q['D_ms']:6.3f} {q['async_step_ms']:8.3f} {q['async_C_ms']:7.3f} "
+            f"{q['async_wait_ms']:6.3f} {q['async_device_idle_ms']:6.3f} {q['async_device_overhead_ms']:7.3f} "
             f"{others:>6s} {note:>9s}"
         )
 

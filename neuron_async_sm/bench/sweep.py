@@ -92,7 +92,8 @@ def pair_figures(result: ModeComparison) -> list[dict]:
                 "async_C_ms": a["host_ms_per_step"],
                 "async_D_ms": a["device_ms_per_step"],
                 "async_device_idle_ms": a["device_idle_ms_per_step"],
-                "async_wait_ms": a["wait_ms_per_step"],
+                "async_device_overhead_ms": a["device_overhead_ms_per_step"],  # the device's own, per program
+                "async_wait_ms": a["wait_ms_per_step"],  # the main thread blocked on an earlier step's output
                 "other_cpu": max(s["other_cpu"], a["other_cpu"]),
                 "load_avg": s["load_avg"],
             }
