@@ -251,18 +251,24 @@ class StepProgram:
     def _check(
         self, ids: torch.Tensor | None, pos: torch.Tensor, query_lens: torch.Tensor, slot_ids: torch.Tensor, length: int
     ) -> None:
-        if bool(((query_lens < 0) | (query_lens > length)).any()):
+        # numpy views of the host tensors: a handful of reductions over at most a few thousand
+        # values, where each torch op would cost its dispatch.
+        lens, slots = query_lens.numpy(), slot_ids.numpy()
+        if lens.min() < 0 or lens.max() > length:
             raise ValueError(f"query_lens {query_lens.tolist()} must lie in [0, {length}]")
-        if bool(((slot_ids < 0) | (slot_ids > self.scratch_slot)).any()):
+        if slots.min() < 0 or slots.max() > self.scratch_slot:
             raise ValueError(f"slot_ids {slot_ids.tolist()} must lie in [0, {self.scratch_slot}]")
-        real = slot_ids[query_lens > 0]
+        real = slots[lens > 0].tolist()
         # Two live rows on one slot would race their K/V writes; padding rows with tokens would write
         # the scratch slot and then read it as context, which is meaningless.
-        if real.unique().numel() != real.numel() or bool((real == self.scratch_slot).any()):
+        if len(set(real)) != len(real) or self.scratch_slot in real:
             raise ValueError(f"rows with tokens need distinct real slots, got slot_ids {slot_ids.tolist()}")
-        if ids is not None and bool(((ids < 0) | (ids >= self.config.vocab_size)).any()):
-            raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size})")
-        if bool(((pos < 0) | (pos >= self.spec.max_model_len)).any()):
+        if ids is not None:
+            values = ids.numpy()
+            if values.min() < 0 or values.max() >= self.config.vocab_size:
+                raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size})")
+        at = pos.numpy()
+        if at.min() < 0 or at.max() >= self.spec.max_model_len:
             raise ValueError(f"positions must lie in [0, max_model_len={self.spec.max_model_len})")
 
 
