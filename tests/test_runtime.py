@@ -181,3 +181,11 @@ def test_an_encoded_host_tensor_is_an_input_on_a_local_device() -> None:
     with create_runtime("accelerator", ToyPrograms()) as runtime:
         out = runtime.enqueue("add", {"a": WireTensor.encode(x4()), "b": x4()}, I32).to_host()
         assert out.tolist() == [2, 4, 6, 8]
+
+
+def test_a_program_message_larger_than_the_pipe_buffer_arrives_whole(rt: DeviceRuntime) -> None:
+    """The process channel writes each message's frame to the pipe itself (several writes when the
+    pipe is full): an input of 1 MiB reaches the device intact."""
+    big = torch.arange(1 << 18, dtype=torch.int32)  # [262144], 1 MiB
+    out = rt.enqueue("add_one", {"x": big}, TensorSpec((1 << 18,), torch.int32)).to_host()
+    assert torch.equal(out, big + 1)

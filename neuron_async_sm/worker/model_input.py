@@ -16,6 +16,7 @@ from neuron_async_sm.runtime import WireTensor
 from neuron_async_sm.worker.input_batch import InputBatch
 
 _FORWARD_INPUTS = ("input_ids", "positions", "query_lens", "slot_ids")
+_STEP_INPUTS = (*_FORWARD_INPUTS, "temperature", "top_k", "top_p", "seeds", "output_index")
 INPUT_IDS_DTYPE = torch.int32
 SAMPLED_DTYPE = torch.int32  # the program's output; it must equal INPUT_IDS_DTYPE to feed the next step
 
@@ -46,7 +47,10 @@ class ModelInput:
 
     def step_inputs(self) -> dict[str, object]:
         """`program_inputs()` for the runtime: the inputs in `encoded` as their WireTensors."""
-        return self.program_inputs() | self.encoded
+        encoded = self.encoded
+        if len(encoded) == len(_STEP_INPUTS):  # a decode step: every input is encoded
+            return dict(encoded)
+        return self.program_inputs() | encoded
 
     def program_inputs(self, input_ids: object | None = None) -> dict[str, object]:
         """Keyword inputs of the step program; `input_ids` may be replaced by a device future."""

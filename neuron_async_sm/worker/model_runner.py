@@ -36,6 +36,18 @@ OUTPUT_RANK = 0  # the design's TP0: the one rank whose outputs reach the schedu
 SYNC_PLAN = sm.StepPlan(materialize_first=False, input_source=sm.InputSource.CPU)
 
 
+_SAMPLED_DTYPE_NAME = str(SAMPLED_DTYPE)
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """str(dtype), cached: the machine's observation names the pending future's dtype on every step."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
+
+
 def relay_width(config: EngineConfig) -> int:
     """The most rows a step's output can have (a decode bucket of max_num_seqs rows; a prefill has fewer)."""
     return config.decode_bucket(config.max_num_seqs)
@@ -173,9 +185,9 @@ class ModelRunner:
             curr_req_ids=self._step_req_ids,
             all_decode=scheduled.all_decode,
             pending_shape=tuple(buffer.future.shape) if buffer else (),
-            pending_dtype=str(buffer.future.dtype) if buffer else "",
+            pending_dtype=_dtype_name(buffer.future.dtype) if buffer else "",
             input_shape=padded_input_shape(self.config, scheduled),
-            input_dtype=str(SAMPLED_DTYPE),
+            input_dtype=_SAMPLED_DTYPE_NAME,
             relay=self.config.async_relay,
         )
         return self.machine.step(obs)
