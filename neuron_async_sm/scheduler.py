@@ -131,6 +131,7 @@ class Scheduler:
         in_flight = self._in_flight_steps
         all_decode = True
         done: list[Request] = []  # left out for good: their last token is in flight
+        add_sampling = sampling.add
 
         # One pass per running request, everything inlined: this loop is the scheduler's per-request
         # cost on every step (the rest of a step is O(changes)).
@@ -145,7 +146,9 @@ class Scheduler:
                 if self._early_release:
                     done.append(request)
                 continue
-            n = min(total - computed, budget)  # the prompt remainder (a chunk), or the one decode token
+            n = total - computed  # the prompt remainder (a chunk), or the one decode token
+            if n > budget:
+                n = budget
             if n <= 0:
                 continue
             budget -= n
@@ -155,7 +158,7 @@ class Scheduler:
             request.num_computed_tokens = computed = computed + n
             in_flight[req_id] += 1
             if computed >= num_prompt:
-                sampling.add(req_id)
+                add_sampling(req_id)
                 # One more token will exist once this step runs; in sync mode it is materialized
                 # before the next schedule, so the placeholder is gone by then.
                 request.num_output_placeholders += 1
@@ -210,6 +213,7 @@ class Scheduler:
         deltas: list[RequestDelta] = []
         requests, in_flight, sampling = self.requests, self._in_flight_steps, scheduled.sampling_req_ids
         finished, eos, max_model_len = RequestStatus.FINISHED, self.eos_token_ids, self.config.max_model_len
+        new_object, append_delta = _new_object, deltas.append
         for req_id in scheduled.num_scheduled_tokens:
             request = requests[req_id]
             in_flight[req_id] -= 1
@@ -230,7 +234,9 @@ class Scheduler:
                     ):
                         reason = FinishReason.LENGTH
                     else:
-                        deltas.append(token_delta(req_id, token))
+                        delta = new_object(RequestDelta)  # token_delta(req_id, token), inlined
+                        delta.__dict__.update(request_id=req_id, new_token_ids=[token], finish_reason=None, error=None)
+                        append_delta(delta)
                         continue  # not finished: nothing to forget
                     self._finish(request, reason)
                     deltas.append(token_delta(req_id, token, reason.value))

@@ -215,3 +215,17 @@ def test_a_token_delta_is_an_ordinary_request_delta(reason):
     assert sorted(vars(fast)) == sorted(f.name for f in dataclasses.fields(RequestDelta))
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.finish_reason = "abort"
+
+
+def test_update_from_output_gives_ordinary_request_deltas():
+    """Its deltas are built without RequestDelta's __init__ (inlined token_delta): each one must equal
+    the ordinary delta, with every field RequestDelta has."""
+    s = make()
+    add(s, "a", max_tokens=2)
+    add(s, "b", max_tokens=5)
+    first = run(s, s.schedule(), per_req={"a": 7, "b": 8})
+    assert first == [RequestDelta("a", [7]), RequestDelta("b", [8])]
+    last = run(s, s.schedule(), per_req={"a": 9, "b": EOS})
+    assert last == [RequestDelta("a", [9], "length"), RequestDelta("b", [EOS], "stop")]
+    fields = sorted(f.name for f in dataclasses.fields(RequestDelta))  # a default would hide a missing one
+    assert all(type(d) is RequestDelta and sorted(vars(d)) == fields for d in first + last)

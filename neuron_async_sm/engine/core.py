@@ -13,6 +13,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
@@ -58,6 +59,9 @@ BATCH_QUEUE_DEPTH = 2
 TEARDOWN_WAIT_S = 2.0
 """Bound on teardown's waits for host work. They run after the runtime is down, when no wait on the
 device is left: an in-flight output then resolves in milliseconds, so this is only a backstop."""
+
+
+_new_token_ids = attrgetter("new_token_ids")
 
 
 class EngineDeadError(NeuronAsyncSMError, RuntimeError):
@@ -256,7 +260,7 @@ class EngineCore:
             raise
         finally:
             self._busy_s += time.perf_counter() - started
-        self.num_output_tokens += sum(len(d.new_token_ids) for d in deltas)
+        self.num_output_tokens += sum(map(len, map(_new_token_ids, deltas)))  # C loops: one turn of every step
         self._maybe_log_stats()
         return deltas
 
