@@ -103,7 +103,8 @@ class InputBatch:
         # ns), where a numpy scalar write or a scatter's dozen calls cost microseconds each on the
         # engine's threads, whose caches the device's program has just evicted (measured in the engine
         # at 64 rows: the scatter 86 µs of CPU, numpy scalar writes 34 µs).
-        self.token_view = memoryview(self.token_ids)  # [slots, L]; the decode step's inputs read it too
+        self.token_view = memoryview(self.token_ids)  # [slots, L]
+        self.token_flat = memoryview(self.token_ids.reshape(-1))  # [slots * L]: the decode step's inputs read it
         self._count_view = memoryview(self.num_tokens)  # [slots]
         # The padded per-row inputs of the last rows built (model_input.RowInputs), reused while the
         # same requests run in the same rows at the same padding; dropped on every add or remove.

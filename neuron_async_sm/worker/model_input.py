@@ -5,6 +5,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from operator import add
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ from neuron_async_sm.runtime import WireTensor
 from neuron_async_sm.worker.input_batch import InputBatch
 
 _FORWARD_INPUTS = ("input_ids", "positions", "query_lens", "slot_ids")
+_plus_one = (1).__add__
 _STEP_INPUTS = (*_FORWARD_INPUTS, "temperature", "top_k", "top_p", "seeds", "output_index")
 INPUT_IDS_DTYPE = torch.int32
 SAMPLED_DTYPE = torch.int32  # the program's output; it must equal INPUT_IDS_DTYPE to feed the next step
@@ -109,8 +111,9 @@ class RowInputs:
     req_ids: tuple[str, ...]  # the rows it was built for
     num_padded: int  # B
     num_prompt: np.ndarray  # int64 [R]
-    row_slots: tuple[int, ...]  # [R] the rows' KV slots, as Python ints (the decode step's gathers)
-    row_prompts: tuple[int, ...]  # [R] num_prompt, as Python ints
+    # The decode step's per-row constants, as Python ints (it is built with map(), no numpy):
+    token_offsets: tuple[int, ...]  # [R] where each row's tokens start in InputBatch.token_flat
+    output_index_offsets: tuple[int, ...]  # [R] 1 - num_prompt: a decode's output index is start + this
     decode_query_lens: torch.Tensor  # int32 [B]: 1 per real row, 0 per padding row
     slot_ids: torch.Tensor  # int32 [B]; padding rows use the scratch slot
     temperature: torch.Tensor  # float32 [B]
@@ -146,8 +149,8 @@ def row_inputs(
         req_ids=req_ids,
         num_padded=num_padded,
         num_prompt=batch.num_prompt_tokens[slots],
-        row_slots=tuple(slots.tolist()),
-        row_prompts=tuple(batch.num_prompt_tokens[slots].tolist()),
+        token_offsets=tuple((slots * batch.max_model_len).tolist()),
+        output_index_offsets=tuple((1 - batch.num_prompt_tokens[slots]).tolist()),
         decode_query_lens=fixed["query_lens"],
         slot_ids=fixed["slot_ids"],
         temperature=fixed["temperature"],
@@ -181,16 +184,19 @@ def build_model_input(
     rows = row_inputs(config, batch, req_ids, slots, num_padded)
     computed = scheduled.num_computed_tokens
     if is_decode:
-        # Every row is past its prompt and samples the token after its one input token. Plain Python
-        # over memoryviews and one buffer per tensor: a decode step's few values cost less so than
-        # numpy's dozen calls, each microseconds on the engine's cache-cold thread.
-        start = [computed[r] for r in req_ids]  # [R] position of each row's input token
-        end = [p + 1 for p in start]  # [R] position of the token each row samples
-        pad = [0] * (num_padded - num_rows)
-        tokens = batch.token_view
-        ids = array("i", [tokens[slot, p] for slot, p in zip(rows.row_slots, start, strict=True)] + pad)  # [B]
-        pos = array("i", start + pad)  # [B]
-        output_index = array("q", [e - n for e, n in zip(end, rows.row_prompts, strict=True)] + pad)  # [B]
+        # Every row is past its prompt and samples the token after its one input token. map() over a
+        # memoryview and one buffer per tensor: a decode step's few values cost less so than numpy's
+        # dozen calls, each microseconds on the engine's cache-cold thread (and no bytecode per row).
+        start = list(map(computed.__getitem__, req_ids))  # [R] position of each row's input token
+        end = list(map(_plus_one, start))  # [R] position of the token each row samples
+        ids = array("i", map(batch.token_flat.__getitem__, map(add, rows.token_offsets, start)))  # [B]
+        pos = array("i", start)  # [B]
+        output_index = array("q", map(add, start, rows.output_index_offsets))  # [B]: end - num_prompt
+        if num_padded > num_rows:
+            pad = [0] * (num_padded - num_rows)
+            ids.extend(pad)
+            pos.extend(pad)
+            output_index.extend(pad)
         # Encoded from the buffers as the tensors are made: the runtime gets every input of a decode
         # step as bytes and encodes nothing (the tensors below share these buffers, never written).
         shape = (num_padded,)
