@@ -105,6 +105,12 @@ def _add_engine_args(p: argparse.ArgumentParser, *, progress: bool = True) -> No
     p.add_argument("--device-time-ms", type=float, default=d.device_time_ms, help="emulated program time")
     p.add_argument("--device-timeout-s", type=float, default=d.device_timeout_s, help="hung if no progress (0: off)")
     p.add_argument(
+        "--device-startup-timeout-s",
+        type=float,
+        default=d.device_startup_timeout_s,
+        help="fail if the device is not ready (model loaded, warmed up) within this long (0: off)",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=d.tensor_parallel_size,
@@ -139,6 +145,7 @@ def _engine_config(args: argparse.Namespace) -> dict:
         "runtime_queue_depth": args.runtime_queue_depth,
         "device_time_ms": args.device_time_ms,
         "device_timeout_s": args.device_timeout_s,
+        "device_startup_timeout_s": args.device_startup_timeout_s,
         "trace_path": args.trace,
         "tensor_parallel_size": args.tensor_parallel_size,
         "distributed_executor_backend": args.distributed_executor_backend,

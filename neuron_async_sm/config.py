@@ -63,6 +63,9 @@ class EngineConfig:
     # A device that completes nothing for this long while work is in flight is hung: killed, every
     # in-flight request ends with DeviceHungError, the engine is dead. 0 disables (waits are unbounded).
     device_timeout_s: float = 120.0
+    # A device not ready this long after it was started (loading the model, warm-up) is killed and
+    # start-up fails with DeviceStartupError. 0 disables (start-up may then wait forever).
+    device_startup_timeout_s: float = 600.0
     device_threads: int = 1  # torch threads inside the emulated device
     # The CPU the emulated device process owns (as an accelerator has its own silicon); the engine's
     # own threads keep off it. None: no pinning. Matters on a busy machine with few cores.
@@ -99,6 +102,14 @@ class EngineConfig:
             raise ConfigError(f"device_timeout_s: must be a number of seconds, got {self.device_timeout_s!r}")
         if not 0 <= self.device_timeout_s < float("inf"):  # also rejects NaN
             raise ConfigError(f"device_timeout_s: must be >= 0 and finite (0 disables), got {self.device_timeout_s}")
+        if not is_number(self.device_startup_timeout_s):
+            raise ConfigError(
+                f"device_startup_timeout_s: must be a number of seconds, got {self.device_startup_timeout_s!r}"
+            )
+        if not 0 <= self.device_startup_timeout_s < float("inf"):  # also rejects NaN
+            raise ConfigError(
+                f"device_startup_timeout_s: must be >= 0 and finite (0 disables), got {self.device_startup_timeout_s}"
+            )
         if max(self.decode_buckets) < self.max_num_seqs:
             raise ConfigError(
                 f"decode_buckets: largest bucket {max(self.decode_buckets)} does not cover "

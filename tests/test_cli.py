@@ -150,6 +150,7 @@ def test_every_generate_flag_in_help_is_accepted(tmp_path, capsys):
         "--runtime-queue-depth": ["4"],
         "--device-time-ms": ["1"],
         "--device-timeout-s": ["60"],
+        "--device-startup-timeout-s": ["300"],
         "--trace": [str(trace)],
         "--stats": [str(stats)],
         "--no-progress": [],

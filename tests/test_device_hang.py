@@ -22,7 +22,7 @@ from support.processes import process_gone
 from support.toy_programs import Gate, ToyPrograms, in_thread
 
 from neuron_async_sm import LLM, ConfigError, EngineConfig, EngineDeadError, SamplingParams
-from neuron_async_sm.runtime import DeviceHungError, DeviceLostError, TensorSpec, create_runtime
+from neuron_async_sm.runtime import DeviceHungError, DeviceLostError, DeviceStartupError, TensorSpec, create_runtime
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 3.0  # device_timeout_s of the hang tests
@@ -293,3 +293,46 @@ def test_inprocess_engine_with_a_hung_device_thread_dies_with_device_hung_error(
 def test_device_timeout_must_be_a_finite_non_negative_number(value):
     with pytest.raises(ConfigError, match="device_timeout_s"):
         EngineConfig(device_timeout_s=value)
+
+
+def stop_spawned_device(stopped: list[int]) -> None:
+    """SIGSTOP this process's spawned device child as soon as it appears (Linux /proc; up to 20 s)."""
+    me = str(os.getpid())
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                parent = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]
+                command = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if parent == me and b"spawn_main" in command:
+                os.kill(int(entry), signal.SIGSTOP)
+                stopped.append(int(entry))
+                return
+        time.sleep(0.005)
+
+
+def test_a_device_never_ready_fails_start_up_within_device_startup_timeout_s() -> None:
+    """A device process stopped while it loads (a real SIGSTOP) never sends Ready: start-up fails
+    after device_startup_timeout_s naming the limit, the stopped device is killed, nothing is left."""
+    stopped: list[int] = []
+    watcher = threading.Thread(target=stop_spawned_device, args=(stopped,))
+    watcher.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(DeviceStartupError, match=r"not ready within device_startup_timeout_s=2 s"):
+            LLM("tiny-llama", device="cpu", device_startup_timeout_s=2.0)
+    finally:
+        watcher.join()
+    assert stopped, "the device process was never seen"
+    assert 2.0 <= time.monotonic() - started < 30
+    assert process_gone(stopped[0])
+    assert engine_threads_alive() == []
+
+
+def test_device_startup_timeout_s_is_validated() -> None:
+    with pytest.raises(ConfigError, match="device_startup_timeout_s"):
+        EngineConfig(device_startup_timeout_s=-1)

@@ -147,4 +147,5 @@ def _start(
         num_threads=config.device_threads,
         device_cpu=config.device_cpu,
         device_timeout_s=config.device_timeout_s,
+        device_startup_timeout_s=config.device_startup_timeout_s,
     )

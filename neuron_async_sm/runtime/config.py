@@ -33,6 +33,8 @@ class RuntimeConfig:
     # No ProgramDone / Fetched for this long while work is in flight: the device is hung (killed,
     # DeviceHungError). 0 disables the watchdog: a hung device then blocks its waiters forever.
     device_timeout_s: float = 120.0
+    # Not Ready this long after start: the device is killed, DeviceStartupError. 0: wait forever.
+    device_startup_timeout_s: float = 600.0
     recent_times_kept: int = 1024  # per-program device times kept for medians
 
     @classmethod
@@ -45,6 +47,7 @@ class RuntimeConfig:
             num_threads=config.device_threads,
             device_cpu=config.device_cpu,
             device_timeout_s=config.device_timeout_s,
+            device_startup_timeout_s=config.device_startup_timeout_s,
         )
 
 

@@ -30,6 +30,7 @@ def create_runtime(
     warmup: Sequence[WarmupCall] = (),
     device_cpu: int | None = None,
     device_timeout_s: float = 120.0,
+    device_startup_timeout_s: float = 600.0,
 ) -> DeviceRuntime:
     """Start a device and block until its programs are built.
 
@@ -45,7 +46,9 @@ def create_runtime(
     ``warmup`` calls run once at start-up so that serving never compiles.
     ``device_timeout_s``: a device that completes nothing for this long while work is in flight
     is declared hung: killed (a device thread is abandoned), every waiter gets ``DeviceHungError``.
-    0 disables the watchdog.
+    0 disables the watchdog. ``device_startup_timeout_s``: a device not ready this long after it was
+    started is killed and ``DeviceStartupError`` names the limit (0: start-up may wait forever; a
+    device thread cannot be killed, so ``cpu-inprocess`` start-up is not bounded).
 
     The settings are `EngineConfig`'s runtime fields, validated there (the one place): an unknown
     device or a bad setting raises ``ConfigError`` naming the `EngineConfig` field (``queue_depth``
@@ -59,6 +62,7 @@ def create_runtime(
         device_threads=num_threads,
         device_cpu=device_cpu,
         device_timeout_s=device_timeout_s,
+        device_startup_timeout_s=device_startup_timeout_s,
     )
     return create_runtime_from_config(RuntimeConfig.of(settings), programs, warmup)
 

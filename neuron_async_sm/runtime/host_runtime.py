@@ -87,16 +87,36 @@ class HostRuntime(DeviceRuntime):
         self._flight.start_watchdog(self._forced_when_hung, self._on_hung)
 
     def _await_ready(self) -> frozenset[str]:
+        # The factory loads the weights and warms up, which takes what it takes, but not forever: a
+        # device that is not ready within device_startup_timeout_s (stopped, deadlocked, a load that
+        # never returns) is killed, which ends the channel (EOF below). One that dies closes it anyway.
+        limit = self._config.device_startup_timeout_s
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            self._channel.kill()
+
+        timer = threading.Timer(limit, expire) if limit > 0 else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
         try:
-            # Unbounded on purpose: the factory loads the weights, which takes what it takes; a device
-            # that dies meanwhile closes the channel (EOF below).
             message: DeviceMessage = self._channel.recv()
         except (EOFError, OSError):
             reason = self._channel.describe_exit()
             self._channel.stop(0.0)
+            if expired.is_set():
+                raise DeviceStartupError(
+                    f"device was not ready within device_startup_timeout_s={limit:g} s (loading the model "
+                    f"and warming up); killed it: {reason}"
+                ) from None
             raise DeviceStartupError(
                 f"device exited before it was ready: {reason} (its own error, if any, is printed above)"
             ) from None
+        finally:
+            if timer is not None:
+                timer.cancel()
         if isinstance(message, Ready):
             return frozenset(message.programs)
         self._channel.stop(self._config.close_grace_s)
