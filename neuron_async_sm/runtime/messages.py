@@ -178,8 +178,9 @@ def _ints(values: object) -> bool:
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    """str(dtype) ("torch.int32"), cached: the step messages name a dtype per tensor."""
+def dtype_name(dtype: torch.dtype) -> str:
+    """str(dtype) ("torch.int32"), cached: the step messages name a dtype per tensor, and the async
+    machine's observation names the pending future's dtype on every step."""
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype)
@@ -187,7 +188,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _plain(tensor: WireTensor | None) -> tuple | None:
-    return None if tensor is None else (tensor.data, tensor.shape, _dtype_name(tensor.dtype))
+    return None if tensor is None else (tensor.data, tensor.shape, dtype_name(tensor.dtype))
 
 
 def _plain_ok(tensor: WireTensor | FutureRef | None) -> bool:
@@ -207,7 +208,7 @@ def _plain_inputs(inputs: dict[str, ProgramInput]) -> dict[str, object] | None:
         if kind is WireTensor:
             if type(arg.data) is not bytes or not _ints(arg.shape) or type(name) is not str:
                 return None
-            plain[name] = (arg.data, arg.shape, _dtype_name(arg.dtype))
+            plain[name] = (arg.data, arg.shape, dtype_name(arg.dtype))
         elif kind is FutureRef and type(name) is str and type(arg.future_id) is int:
             plain[name] = arg.future_id
         else:
@@ -231,7 +232,7 @@ def encode(message: HostMessage | DeviceMessage) -> bytes:
         and type(message.push_output) is bool
         and (inputs := _plain_inputs(message.inputs)) is not None
     ):
-        fields = (message.seq, message.program, inputs, message.out_shape, _dtype_name(message.out_dtype))
+        fields = (message.seq, message.program, inputs, message.out_shape, dtype_name(message.out_dtype))
         return _RUN_PROGRAM + marshal.dumps((*fields, message.push_output, message.releases))
     if (
         kind is ProgramDone

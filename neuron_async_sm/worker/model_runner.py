@@ -16,6 +16,7 @@ import torch
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from neuron_async_sm.runtime import DeviceFuture, DeviceRuntime, TensorSpec
+from neuron_async_sm.runtime.messages import dtype_name
 from neuron_async_sm.trace import Tracer
 from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.async_output import OUTPUT_THREAD_NAME, AsyncModelRunnerOutput, StepSnapshot
@@ -37,15 +38,6 @@ SYNC_PLAN = sm.StepPlan(materialize_first=False, input_source=sm.InputSource.CPU
 
 
 _SAMPLED_DTYPE_NAME = str(SAMPLED_DTYPE)
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    """str(dtype), cached: the machine's observation names the pending future's dtype on every step."""
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype)
-    return name
 
 
 def relay_width(config: EngineConfig) -> int:
@@ -185,7 +177,7 @@ class ModelRunner:
             curr_req_ids=self._step_req_ids,
             all_decode=scheduled.all_decode,
             pending_shape=tuple(buffer.future.shape) if buffer else (),
-            pending_dtype=_dtype_name(buffer.future.dtype) if buffer else "",
+            pending_dtype=dtype_name(buffer.future.dtype) if buffer else "",
             input_shape=padded_input_shape(self.config, scheduled),
             input_dtype=_SAMPLED_DTYPE_NAME,
             relay=self.config.async_relay,
