@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from neuron_async_sm.bench.checkpoint import MICRO_LLAMA_CONFIG, write_checkpoint
+from neuron_async_sm.bench.metrics import pair_ratios
 from neuron_async_sm.bench.runner import ModeComparison, ProbedLLM, Progress, batch_config, compare_modes
 from neuron_async_sm.bench.workloads import Workload, build_workload
 
@@ -52,7 +53,7 @@ def calibrate(model: str, workload: Workload, **config: object) -> tuple[float, 
 
 def pair_figures(result: ModeComparison) -> list[dict]:
     """One row per (sync, async) pair the comparison ran, in run order, with that pair's own figures
-    (the same definitions as `metrics.compare`, on one pair instead of the median over pairs).
+    (`metrics.pair_ratios`, what `metrics.compare` takes medians of).
 
     `counted`: the pair is one of those the point's medians are over (the comparison's own per-pair
     lists, matched by value); `excluded`: the machine was busier than --max-other-cpu during it.
@@ -63,11 +64,9 @@ def pair_figures(result: ModeComparison) -> list[dict]:
     counted = list(result.comparison["speedup_per_pair"])
     rows = []
     for rep in sorted(by_rep):
-        pair = by_rep[rep]
-        if set(pair) != {"sync", "async"}:
-            continue  # cannot happen: a pair's runs are recorded together
-        s, a = pair["sync"], pair["async"]
-        speedup = s["busy_s"] / a["busy_s"]
+        s, a = by_rep[rep]["sync"], by_rep[rep]["async"]
+        ratios = pair_ratios(s, a)
+        speedup = ratios["speedup"]
         is_counted = speedup in counted
         if is_counted:
             counted.remove(speedup)
@@ -77,12 +76,7 @@ def pair_figures(result: ModeComparison) -> list[dict]:
                 "first": next(r["mode"] for r in result.runs if r["repetition"] == rep),
                 "counted": is_counted,
                 "excluded": s["excluded"] or a["excluded"],
-                "speedup": speedup,
-                "ideal_speedup": s["serial_s"] / s["ideal_s"],
-                "overlap_efficiency": (s["busy_s"] - a["busy_s"]) / (s["busy_s"] - s["ideal_s"]),
-                "ideal_speedup_with_transport": s["busy_s"] / s["ideal_with_transport_s"],
-                "overlap_efficiency_with_transport": (s["busy_s"] - a["busy_s"])
-                / (s["busy_s"] - s["ideal_with_transport_s"]),
+                **ratios,
                 "C_ms": s["host_ms_per_step"],  # the sync run's, as the point's C
                 "D_ms": s["device_ms_per_step"],
                 "D_over_C": s["device_ms_per_step"] / s["host_ms_per_step"],
