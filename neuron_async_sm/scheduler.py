@@ -213,7 +213,7 @@ class Scheduler:
         deltas: list[RequestDelta] = []
         requests, in_flight, sampling = self.requests, self._in_flight_steps, scheduled.sampling_req_ids
         finished, eos, max_model_len = RequestStatus.FINISHED, self.eos_token_ids, self.config.max_model_len
-        new_object, append_delta = _new_object, deltas.append
+        append_delta = deltas.append
         for req_id in scheduled.num_scheduled_tokens:
             request = requests[req_id]
             in_flight[req_id] -= 1
@@ -234,9 +234,7 @@ class Scheduler:
                     ):
                         reason = FinishReason.LENGTH
                     else:
-                        delta = new_object(RequestDelta)  # token_delta(req_id, token), inlined
-                        delta.__dict__.update(request_id=req_id, new_token_ids=[token], finish_reason=None, error=None)
-                        append_delta(delta)
+                        append_delta(token_delta(req_id, token))
                         continue  # not finished: nothing to forget
                     self._finish(request, reason)
                     deltas.append(token_delta(req_id, token, reason.value))

@@ -218,7 +218,7 @@ def test_a_token_delta_is_an_ordinary_request_delta(reason):
 
 
 def test_update_from_output_gives_ordinary_request_deltas():
-    """Its deltas are built without RequestDelta's __init__ (inlined token_delta): each one must equal
+    """Its deltas are built without RequestDelta's __init__ (token_delta): each one must equal
     the ordinary delta, with every field RequestDelta has."""
     s = make()
     add(s, "a", max_tokens=2)

@@ -195,7 +195,7 @@ class LlamaModel:
         if batch.input_ids.numel() == 0:  # an all-padding step: nothing to write or attend
             return torch.zeros(batch.rows, w.lm_head.shape[0], dtype=self.compute_dtype, device=w.lm_head.device)
         hidden = F.embedding(batch.input_ids, w.embed_tokens)  # [N, hidden]
-        rope = self.rope.cos[batch.positions].unsqueeze(1), self.rope.sin[batch.positions].unsqueeze(1)  # [N, 1, D]
+        rope = self.rope.lookup(batch.positions)  # [N, 1, D] each
         for index, layer in enumerate(self.layers):
             attn_in = self._norm(hidden, layer.input_norm)
             hidden = hidden + self._attention(index, layer, attn_in, batch, rope, None, cache)

@@ -150,7 +150,7 @@ class StepProgram:
         logger.info("compiled %d step program shapes in %.1f s", len(report), sum(s for _, s in report))
 
     def _forward(self, batch: ForwardBatch | PackedBatch) -> torch.Tensor:
-        if self._compiled is None or isinstance(batch, PackedBatch):
+        if self._compiled is None:  # eager (a compiled program never packs)
             return self.model.forward(batch, self.kv_cache)
         # Tensors only: an int (context_len) would be a guard, one program per value.
         inputs = (batch.input_ids, batch.positions, batch.write_slots, batch.slot_ids, batch.last_index)

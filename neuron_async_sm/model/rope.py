@@ -50,8 +50,9 @@ class RopeTable:
         return RopeTable(cos=self.cos.to(device), sin=self.sin.to(device))
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin `[B, L, 1, head_dim]` for positions `[B, L]`: gathered once per step for all layers."""
-        return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+        """cos, sin `[..., 1, head_dim]` for positions `[...]` (`[B, L]` padded, `[N]` packed): gathered
+        once per step for all layers, broadcast over the heads."""
+        return self.cos[positions].unsqueeze(-2), self.sin[positions].unsqueeze(-2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -206,9 +206,9 @@ def _plain_inputs(inputs: dict[str, ProgramInput]) -> dict[str, object] | None:
     for name, arg in inputs.items():
         kind = type(arg)
         if kind is WireTensor:
-            if type(arg.data) is not bytes or not _ints(arg.shape) or type(name) is not str:
+            if not _plain_ok(arg) or type(name) is not str:
                 return None
-            plain[name] = (arg.data, arg.shape, dtype_name(arg.dtype))
+            plain[name] = _plain(arg)
         elif kind is FutureRef and type(name) is str and type(arg.future_id) is int:
             plain[name] = arg.future_id
         else:

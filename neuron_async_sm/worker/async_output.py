@@ -77,9 +77,7 @@ class AsyncModelRunnerOutput:
                 host = self._future.to_host()  # blocks until the program ran; re-raises its error
             if self._host_sampler is not None:
                 host = self._host_sampler(host)
-            tokens = host.tolist()[: len(self.snapshot.req_ids)]  # no torch slice: one op less
-            if host.dtype.is_floating_point:  # never from a sampler; an integer tensor's tolist() gives ints
-                tokens = [int(t) for t in tokens]
+            tokens = host.tolist()[: len(self.snapshot.req_ids)]  # ints (an integer tensor); no torch slice
             self._write_back(self.snapshot, tokens)
             self._result = ModelRunnerOutput(self.snapshot.step_id, list(self.snapshot.req_ids), tokens)
         except BaseException as exc:  # surfaced to every caller, never swallowed
