@@ -76,9 +76,13 @@ class RequestOutput:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestDelta:
-    """What one step changed for one request: new tokens and, when it ended, why."""
+    """What one step changed for one request: new tokens and, when it ended, why.
+
+    Not frozen: the scheduler makes one per running request on every step, and a frozen dataclass's
+    __init__ (one object.__setattr__ per field) costs twice a plain one's.
+    """
 
     request_id: str
     new_token_ids: list[int]

@@ -29,6 +29,9 @@ class Request:
     advances it when it schedules a step, before the step runs. In async mode the scheduler runs one
     step ahead, so tokens sampled by in-flight steps are not known yet: `num_output_placeholders`
     counts them.
+
+    `stop_token_set` and `max_outputs` are the stop conditions as the scheduler checks them on every
+    step, set once when it admits the request (they depend on its EOS ids and max_model_len).
     """
 
     request_id: str
@@ -43,6 +46,10 @@ class Request:
     kv_slot: int | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # The tokens that stop it: stop_token_ids, and the model's EOS ids unless ignore_eos.
+    stop_token_set: frozenset[int] = field(default=frozenset(), init=False, repr=False)
+    # The most output tokens it may have: max_tokens, capped by max_model_len - prompt length.
+    max_outputs: int = field(default=0, init=False, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

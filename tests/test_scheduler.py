@@ -1,14 +1,12 @@
 """Scheduler policy: budget, chunked prefill, stop conditions, abort, async placeholders."""
 
-import dataclasses
-
 import pytest
 
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.outputs import ModelRunnerOutput, RequestDelta
 from neuron_async_sm.request import Request
 from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
-from neuron_async_sm.scheduler import Scheduler, token_delta
+from neuron_async_sm.scheduler import Scheduler
 
 EOS = 2
 
@@ -206,20 +204,7 @@ def test_all_decode_only_when_every_row_decodes_one_token():
     assert not s.schedule().all_decode
 
 
-@pytest.mark.parametrize("reason", [None, "stop", "length"])
-def test_a_token_delta_is_an_ordinary_request_delta(reason):
-    """update_from_output builds its deltas without RequestDelta's __init__: they must be the same
-    value, with every field RequestDelta has (a field added there and not here fails this test)."""
-    fast, plain = token_delta("r", 7, reason), RequestDelta("r", [7], reason)
-    assert type(fast) is RequestDelta and fast == plain and repr(fast) == repr(plain)
-    assert sorted(vars(fast)) == sorted(f.name for f in dataclasses.fields(RequestDelta))
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        fast.finish_reason = "abort"
-
-
 def test_update_from_output_gives_ordinary_request_deltas():
-    """Its deltas are built without RequestDelta's __init__ (token_delta): each one must equal
-    the ordinary delta, with every field RequestDelta has."""
     s = make()
     add(s, "a", max_tokens=2)
     add(s, "b", max_tokens=5)
@@ -227,5 +212,43 @@ def test_update_from_output_gives_ordinary_request_deltas():
     assert first == [RequestDelta("a", [7]), RequestDelta("b", [8])]
     last = run(s, s.schedule(), per_req={"a": 9, "b": EOS})
     assert last == [RequestDelta("a", [9], "length"), RequestDelta("b", [EOS], "stop")]
-    fields = sorted(f.name for f in dataclasses.fields(RequestDelta))  # a default would hide a missing one
-    assert all(type(d) is RequestDelta and sorted(vars(d)) == fields for d in first + last)
+
+
+@pytest.mark.parametrize(
+    "params,tokens,emitted",
+    [
+        ({"ignore_eos": True, "stop_token_ids": (EOS,)}, [50, EOS, 52], 2),  # a stop token, even if it is EOS
+        ({"ignore_eos": True, "stop_token_ids": (51,)}, [50, EOS, 51, 52], 3),
+        ({"stop_token_ids": (51, 52)}, [50, 52, 51], 2),
+    ],
+)
+def test_stop_tokens_are_the_stop_ids_and_eos_unless_ignored(params, tokens, emitted):
+    """The scheduler checks one set per request (stop_token_set, built on admission)."""
+    s = make()
+    add(s, "a", 4, max_tokens=9, **params)
+    out = []
+    for t in tokens:
+        if not s.has_unfinished_requests():
+            break
+        out += run(s, s.schedule(), token=t)
+    assert [t for d in out for t in d.new_token_ids] == tokens[:emitted]
+    assert out[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("max_tokens,emitted", [(3, 3), (100, 4), (4, 4)])
+def test_length_is_the_lower_of_max_tokens_and_max_model_len(async_scheduling, max_tokens, emitted):
+    """max_outputs = min(max_tokens, max_model_len - prompt): the update's stop and the schedule's
+    pipelining gap both use it (async: never a step scheduled past it)."""
+    s = make(async_scheduling=async_scheduling, max_model_len=10)
+    add(s, "a", 6, max_tokens=max_tokens)
+    in_flight, out, steps = [], [], 0
+    while s.has_unfinished_requests():
+        so = s.schedule()
+        if not so.is_empty:
+            steps += 1
+            in_flight.append(so)
+        if in_flight and (not async_scheduling or len(in_flight) == 2 or so.is_empty):
+            out += run(s, in_flight.pop(0))
+    assert sum(len(d.new_token_ids) for d in out) == emitted and out[-1].finish_reason == "length"
+    assert steps == emitted  # the prefill samples the first token; no step past the limit
