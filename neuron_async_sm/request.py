@@ -21,7 +21,7 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine failed while it was in flight
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """One generation request.
 

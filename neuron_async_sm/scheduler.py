@@ -45,7 +45,10 @@ class Scheduler:
         # flight still mentions. Keeping the latter guards token ownership: a recycled request id can
         # never receive a token sampled for its previous owner.
         self.requests: dict[str, Request] = {}
-        self._in_flight_steps: dict[str, int] = {}
+        # Steps scheduled and not applied yet, oldest first (at most two in async mode): the requests
+        # a step in flight mentions are its keys. Kept per step, not counted per request, so that a
+        # step costs nothing per request here.
+        self._unapplied: deque[SchedulerOutput] = deque()
         self._free_slots: list[int] = list(range(config.max_num_seqs))
         self._finished_since_schedule: set[str] = set()
         self._next_step_id = 0
@@ -74,7 +77,6 @@ class Scheduler:
         request.stop_token_set = frozenset(params.stop_token_ids).union(eos)
         request.max_outputs = min(params.max_tokens, self.config.max_model_len - len(prompt))
         self.requests[request.request_id] = request
-        self._in_flight_steps[request.request_id] = 0
         self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
@@ -99,7 +101,7 @@ class Scheduler:
         # No step will ever be applied again: forget every request, including finished ones that
         # were only kept for a step in flight (those steps were drained, never applied).
         self.requests.clear()
-        self._in_flight_steps.clear()
+        self._unapplied.clear()
         return deltas
 
     def has_unfinished_requests(self) -> bool:
@@ -119,7 +121,6 @@ class Scheduler:
         num_computed: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         sampling: set[str] = set()
-        in_flight = self._in_flight_steps
         all_decode = True
         done: list[Request] = []  # left out for good: their last token is in flight
         add_sampling = sampling.add
@@ -142,7 +143,6 @@ class Scheduler:
                 num_scheduled[req_id] = 1
                 num_computed[req_id] = computed
                 request.num_computed_tokens = computed + 1
-                in_flight[req_id] += 1
                 add_sampling(req_id)
                 # One more token will exist once this step runs; in sync mode it is materialized
                 # before the next schedule, so the placeholder is gone by then.
@@ -158,7 +158,6 @@ class Scheduler:
             num_computed[req_id] = computed
             all_decode = False
             request.num_computed_tokens = computed = computed + n
-            in_flight[req_id] += 1
             if computed >= num_prompt:
                 add_sampling(req_id)
                 request.num_output_placeholders += 1
@@ -183,7 +182,6 @@ class Scheduler:
             num_computed[req_id] = request.num_computed_tokens  # 0: nothing is preempted here
             all_decode = False  # a prompt chunk
             request.num_computed_tokens += n
-            in_flight[req_id] += 1
             if request.num_computed_tokens >= num_prompt:
                 sampling.add(req_id)
                 request.num_output_placeholders += 1
@@ -203,20 +201,25 @@ class Scheduler:
         )
         self._next_step_id += 1
         self._finished_since_schedule.clear()
+        self._unapplied.append(output)
         return output
 
     # -- results ------------------------------------------------------------------------------------
 
     def update_from_output(self, scheduled: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestDelta]:
         """Apply one step's sampled tokens: append, check stops, finish, free slots."""
+        if scheduled.is_empty:
+            return []
+        # Applied in the order scheduled; from here on it is no longer in flight.
+        assert self._unapplied and self._unapplied[0] is scheduled, "steps are applied in the order scheduled"
+        self._unapplied.popleft()
         tokens = output.by_request()
         deltas: list[RequestDelta] = []
-        requests, in_flight, sampling = self.requests, self._in_flight_steps, scheduled.sampling_req_ids
+        requests, sampling = self.requests, scheduled.sampling_req_ids
         finished = RequestStatus.FINISHED
         append_delta = deltas.append
         for req_id in scheduled.num_scheduled_tokens:  # this loop runs for every request on every step
             request = requests[req_id]
-            in_flight[req_id] -= 1
             if req_id in sampling:
                 request.num_output_placeholders -= 1
                 # A stop discovered on an earlier step's token (or an abort): this step was already in
@@ -265,7 +268,11 @@ class Scheduler:
                 self._free_slot(request)
         self._forget_if_done(request)
 
+    def num_steps_in_flight(self, request_id: str) -> int:
+        """Steps scheduled and not applied yet that run this request."""
+        return sum(request_id in step.num_scheduled_tokens for step in self._unapplied)
+
     def _forget_if_done(self, request: Request) -> None:
-        if request.is_finished and self._in_flight_steps.get(request.request_id) == 0:
-            del self.requests[request.request_id]
-            del self._in_flight_steps[request.request_id]
+        req_id = request.request_id
+        if request.is_finished and self.requests.get(req_id) is request and not self.num_steps_in_flight(req_id):
+            del self.requests[req_id]

@@ -252,3 +252,20 @@ def test_length_is_the_lower_of_max_tokens_and_max_model_len(async_scheduling, m
             out += run(s, in_flight.pop(0))
     assert sum(len(d.new_token_ids) for d in out) == emitted and out[-1].finish_reason == "length"
     assert steps == emitted  # the prefill samples the first token; no step past the limit
+
+
+def test_a_finished_request_is_tracked_until_its_last_step_in_flight_is_applied():
+    """Its id stays taken while a step that runs it is in flight (token ownership: the recycled id
+    must not receive that step's token), and is free once that step is applied."""
+    s = make(async_scheduling=True)
+    add(s, "a", 4, max_tokens=9)
+    first = s.schedule()  # the prefill
+    second = s.schedule()  # the first decode, in flight while the prefill's token is applied
+    assert s.num_steps_in_flight("a") == 2
+    assert run(s, first, token=EOS)[-1].finish_reason == "stop"
+    with pytest.raises(InvalidRequestError, match="duplicate"):
+        add(s, "a", 2, max_tokens=3)
+    assert run(s, second, token=77) == []  # the stale token is discarded
+    assert s.num_steps_in_flight("a") == 0 and "a" not in s.requests
+    add(s, "a", 2, max_tokens=3)  # the id is free again
+    assert [d.new_token_ids for d in run(s, s.schedule(), token=5)] == [[5]]

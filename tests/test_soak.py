@@ -57,7 +57,7 @@ def _measure(llm: LLM) -> dict:
     return {
         "device_futures_live": engine.runtime.stats().device_futures_live,
         "scheduler_requests": len(engine.scheduler.requests),
-        "in_flight_entries": len(engine.scheduler._in_flight_steps),
+        "steps_in_flight": len(engine.scheduler._unapplied),
         "free_slots": len(engine.scheduler._free_slots),
         "worker_requests": len(engine.runner.batch.requests),
         "output_queue": engine.executor._output_queue.qsize(),
@@ -123,7 +123,7 @@ def test_soak_thousands_of_short_requests_with_random_aborts(soak_requests):
     # Flat: idle checkpoints are equal (or bounded by a constant), not growing with the requests served.
     first, last = samples[0], samples[-1]
     for sample in samples:
-        assert sample["scheduler_requests"] == sample["in_flight_entries"] == sample["output_queue"] == 0, sample
+        assert sample["scheduler_requests"] == sample["steps_in_flight"] == sample["output_queue"] == 0, sample
         assert sample["free_slots"] == ENGINE["max_num_seqs"], sample
         assert sample["worker_requests"] <= ENGINE["max_num_seqs"], sample
         assert sample["device_futures_live"] <= LIVE_FUTURES_BOUND, sample

@@ -198,8 +198,9 @@ def check_scheduler_bounded(llm: LLM) -> None:
     """The scheduler tracks a finished request only while a step in flight still mentions it."""
     scheduler = llm.engine.scheduler
     for req_id, request in scheduler.requests.items():
-        assert not request.is_finished or scheduler._in_flight_steps[req_id] > 0, f"{req_id} lingers"
-    assert set(scheduler._in_flight_steps) == set(scheduler.requests)
+        assert not request.is_finished or scheduler.num_steps_in_flight(req_id) > 0, f"{req_id} lingers"
+    for step in scheduler._unapplied:  # token ownership: a step in flight only mentions tracked requests
+        assert set(step.num_scheduled_tokens) <= set(scheduler.requests), step.step_id
 
 
 STEP_TIMEOUT_S = 60.0  # far above any step here: past it, the engine hangs
