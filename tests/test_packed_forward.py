@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -54,10 +55,12 @@ def test_packed_forward_matches_padded(seed: int) -> None:
         step = dict(input_ids=ids, positions=pos, query_lens=query, slot_ids=slots)
         plan = pack_step(
             ids.view(len(query), -1).long(),
-            pos.view(len(query), -1).long(),
-            query.long(),
-            slots.long(),
+            pos.view(len(query), -1).long().numpy(),
+            query.long().numpy(),
+            slots.long().numpy(),
             torch.device("cpu"),
+            MAX_LEN,
+            torch.float64,
         )
         kinds |= {("window" if g.window_start is not None else "gather", g.query_len > 1) for g in plan.groups}
         ours, theirs = packed.forward_logits(**step), padded.forward_logits(**step)
@@ -86,7 +89,7 @@ def test_packed_mixed_step_runs_only_real_tokens() -> None:
     pos = torch.zeros(3, 64, dtype=torch.int64)
     pos[0, :5] = torch.arange(5)
     pos[1, 0], pos[2, 0] = 9, 12
-    plan = pack_step(ids, pos, torch.tensor([5, 1, 1]), torch.tensor([3, 0, 1]), torch.device("cpu"))
+    plan = pack_step(ids, pos.numpy(), np.array([5, 1, 1]), np.array([3, 0, 1]), torch.device("cpu"), 64, torch.float32)
     assert plan.input_ids.shape == (7,)
     assert plan.last_token.tolist() == [4, 5, 6]
     decode, chunk = plan.groups

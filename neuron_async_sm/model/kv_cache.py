@@ -40,7 +40,11 @@ class KVCache:
         slots/positions `[B, L]` int64. Caller routes padding tokens to the scratch slot; their duplicate
         indices make the scratch contents unspecified, which is harmless because nothing real reads it.
         """
-        flat = (slots * self.max_model_len + positions).reshape(-1)  # [B * L]
+        self.write_at(layer, (slots * self.max_model_len + positions).reshape(-1), k, v)
+
+    def write_at(self, layer: int, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`write` with the flat indices (slot * max_model_len + position, int64 `[N]`) given, so a
+        step computes them once for all layers; k, v `[..., kv_heads, head_dim]` with N tokens."""
         heads_dim = k.shape[-2:]
         self.k[layer].view(-1, *heads_dim).index_copy_(0, flat, k.reshape(-1, *heads_dim))
         self.v[layer].view(-1, *heads_dim).index_copy_(0, flat, v.reshape(-1, *heads_dim))

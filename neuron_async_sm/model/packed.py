@@ -34,8 +34,9 @@ class AttentionGroup:
     Queries: `query_index` `[R * Lg]` picks them from the packed tokens (a window's unused slots
     and a chunk's padding pick token 0; their results are dropped), or None when the group is all
     packed tokens in order. Keys: `window_start` set -> slots window_start..window_start+R-1 of the
-    cache, read in place; else the gathered slots `slot_ids` `[R]`. `mask` `[R, 1, Lg, T]`: key
-    position t is visible to query (r, j) iff t <= its position (position 0 for dropped queries).
+    cache, read in place; else the gathered slots `slot_ids` `[R]`. `mask` `[R, 1, Lg, T]`, additive
+    (0 or -inf): key position t is visible to query (r, j) iff t <= its position (position 0 for
+    dropped queries).
     Results: group row `result_rows` `[M]` goes to packed token `result_tokens` `[M]`, or all in
     order when both are None.
     """
@@ -57,26 +58,30 @@ class PackedBatch:
 
     input_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
-    write_slots: torch.Tensor  # [N] int64: each token's KV slot
-    last_token: torch.Tensor  # [B] int64: packed index of each row's last token (0 for padding rows)
+    write_index: torch.Tensor  # [N] int64: each token's place in a layer's flat cache, slot * max_model_len + position
+    # [B] int64: packed index of each row's last token (0 for padding rows); None when that is every
+    # packed token in order (a step of one-token rows and no padding row)
+    last_token: torch.Tensor | None
     groups: tuple[AttentionGroup, ...]
     rows: int  # B, the padded step's rows: the logits are `[B, vocab]`
 
 
 def pack_step(
     input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    query_lens: torch.Tensor,
-    slot_ids: torch.Tensor,
+    positions: np.ndarray,
+    query_lens: np.ndarray,
+    slot_ids: np.ndarray,
     device: torch.device,
+    max_model_len: int,
+    dtype: torch.dtype,
 ) -> PackedBatch:
-    """Packs a padded step (`input_ids` on `device`, the rest host int64: positions `[B, L]`,
-    query_lens and slot_ids `[B]`) into its real tokens and attention groups.
+    """Packs a padded step (`input_ids` `[B, L]` on `device`; host int64 arrays: positions `[B, L]`,
+    query_lens and slot_ids `[B]`) into its real tokens and attention groups, masks in `dtype`.
 
     The index arithmetic runs in numpy on the host (arrays of at most a few hundred entries, where a
     numpy call costs a fraction of a torch op's dispatch); only the results become tensors.
     """
-    lens, slots, pos = query_lens.numpy(), slot_ids.numpy(), positions.numpy()
+    lens, slots, pos = query_lens, slot_ids, positions
     b, length = pos.shape
     starts = np.cumsum(lens) - lens  # [B]: each row's first packed token
     if length == 1:
@@ -87,25 +92,32 @@ def pack_step(
     groups = []
     one = np.flatnonzero(lens == 1)
     if one.size:
-        groups.append(_one_token_group(starts[one], slots[one], pos[one, 0], num_tokens, device))
+        groups.append(_one_token_group(starts[one], slots[one], pos[one, 0], num_tokens, device, dtype))
     chunks = np.flatnonzero(lens > 1)
     if chunks.size:
-        groups.append(_chunk_group(starts[chunks], lens[chunks], slots[chunks], pos[chunks], device))
+        groups.append(_chunk_group(starts[chunks], lens[chunks], slots[chunks], pos[chunks], device, dtype))
     ids = input_ids.reshape(-1)
     if num_tokens != b * length:
         ids = ids[_tensor(flat, device)]
+    packed_pos = pos.reshape(-1)[flat]
+    in_order = num_tokens == b and length == 1  # one token per row, no padding row
     return PackedBatch(
         input_ids=ids,
-        positions=_tensor(pos.reshape(-1)[flat], device),
-        write_slots=_tensor(np.repeat(slots, lens), device),
-        last_token=_tensor(np.where(lens > 0, starts + lens - 1, 0), device),
+        positions=_tensor(packed_pos, device),
+        write_index=_tensor(np.repeat(slots, lens) * max_model_len + packed_pos, device),
+        last_token=None if in_order else _tensor(np.where(lens > 0, starts + lens - 1, 0), device),
         groups=tuple(groups),
         rows=b,
     )
 
 
 def _one_token_group(
-    tokens: np.ndarray, slots: np.ndarray, positions: np.ndarray, num_tokens: int, device: torch.device
+    tokens: np.ndarray,
+    slots: np.ndarray,
+    positions: np.ndarray,
+    num_tokens: int,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> AttentionGroup:
     """Rows of one token each (`tokens` their packed indices); a window of the cache if it fits."""
     count = tokens.size
@@ -120,7 +132,7 @@ def _one_token_group(
             query_index=None if tokens_in_order else _tensor(tokens, device),
             window_start=None,
             slot_ids=_tensor(slots, device),
-            mask=_mask(positions[:, None], context_len, device),
+            mask=_mask(positions[:, None], context_len, device, dtype),
             context_len=context_len,
             result_rows=None if tokens_in_order else _tensor(np.arange(count), device),
             result_tokens=None if tokens_in_order else _tensor(tokens, device),
@@ -137,7 +149,7 @@ def _one_token_group(
         query_index=None if in_order else _tensor(query_index, device),
         window_start=low,
         slot_ids=None,
-        mask=_mask(window_pos[:, None], context_len, device),
+        mask=_mask(window_pos[:, None], context_len, device, dtype),
         context_len=context_len,
         result_rows=None if in_order else _tensor(at, device),
         result_tokens=None if in_order else _tensor(tokens, device),
@@ -145,7 +157,12 @@ def _one_token_group(
 
 
 def _chunk_group(
-    starts: np.ndarray, lens: np.ndarray, slots: np.ndarray, positions: np.ndarray, device: torch.device
+    starts: np.ndarray,
+    lens: np.ndarray,
+    slots: np.ndarray,
+    positions: np.ndarray,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> AttentionGroup:
     """Rows of a prompt chunk each, padded to the longest chunk among them; their slots gathered."""
     count, longest = lens.size, int(lens.max())
@@ -161,16 +178,18 @@ def _chunk_group(
         query_index=_tensor(tokens.reshape(-1), device),
         window_start=None,
         slot_ids=_tensor(slots, device),
-        mask=_mask(pos, context_len, device),
+        mask=_mask(pos, context_len, device, dtype),
         context_len=context_len,
         result_rows=_tensor(np.flatnonzero(flat_valid), device),
         result_tokens=_tensor(tokens.reshape(-1)[flat_valid], device),
     )
 
 
-def _mask(positions: np.ndarray, context_len: int, device: torch.device) -> torch.Tensor:
-    """Bool `[R, 1, Lg, T]`: key t visible to query (r, j) iff t <= positions[r, j]."""
-    return _tensor((np.arange(context_len)[None, None, :] <= positions[:, :, None])[:, None], device)
+def _mask(positions: np.ndarray, context_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Additive `[R, 1, Lg, T]` in `dtype`: 0 where key t is visible to query (r, j) (t <= positions[r, j]),
+    -inf elsewhere. Additive rather than bool: CPU attention runs it faster, the same result."""
+    visible = np.arange(context_len)[None, None, :] <= positions[:, :, None]
+    return _tensor(np.where(visible, np.float32(0), np.float32(-np.inf))[:, None], device).to(dtype)
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:

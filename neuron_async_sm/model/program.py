@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -195,80 +196,76 @@ class StepProgram:
                 f"positions {tuple(positions.shape)}, query_lens {tuple(query_lens.shape)}, "
                 f"slot_ids {tuple(slot_ids.shape)}"
             )
-        query_lens, slot_ids = query_lens.long(), slot_ids.long()
-        valid = torch.arange(length).unsqueeze(0) < query_lens.unsqueeze(1)  # [B, L]
+        # The host values are checked and sanitized in numpy: a few small arrays, where each torch op
+        # would cost its dispatch.
+        lens, slots = query_lens.numpy().astype(np.int64), slot_ids.numpy().astype(np.int64)
+        valid = np.arange(length)[None, :] < lens[:, None]  # [B, L]
         # Padding tokens get id 0 and position 0 whatever the caller left there, so garbage in the
         # padding can neither index out of range nor widen the attended cache prefix.
         on_host = input_ids.device.type == "cpu"
-        relayed = self._relayed(relay_tokens, relay_rows, query_lens)  # [B] bool, on the host
+        relayed = self._relayed(relay_tokens, relay_rows, lens)  # [B] bool, or None
         # A relayed row's host id is a placeholder (POISON_TOKEN): the device supplies its token.
-        host_valid = valid if relayed is None else valid & ~relayed.unsqueeze(1)
-        host_ids = input_ids.long().masked_fill(~host_valid, 0) if on_host else None
-        pos = positions.long().masked_fill(~valid, 0)
-        self._check(host_ids, pos, query_lens, slot_ids, length)
+        host_valid = valid if relayed is None else valid & ~relayed[:, None]
+        host_ids = np.where(host_valid, input_ids.numpy(), 0) if on_host else None
+        pos = np.where(valid, positions.numpy(), 0).astype(np.int64)
+        self._check(host_ids, pos, lens, slots, length)
         dev = self.device
-        # Masked on the device in both cases, so a future input and a host input run one program.
-        ids = input_ids.to(dev).long().masked_fill(~host_valid.to(dev), 0)
+        if on_host and self.packed:  # an eager host program: the ids are sanitized already
+            ids = torch.from_numpy(host_ids.astype(np.int64))  # type: ignore[union-attr]
+        else:  # masked on the device, so a future input and a host input run one program
+            ids = input_ids.to(dev).long().masked_fill(~torch.from_numpy(host_valid).to(dev), 0)
         if relayed is not None:
             assert relay_tokens is not None and relay_rows is not None
             # The relay: where(map >= 0, future[map], host ids), on the device. A relayed row is a
             # decode row, so its one token is column 0. Never read back (a blocking sync on a lazy device).
             gathered = relay_tokens.to(dev).long()[relay_rows.long().clamp(min=0).to(dev)]  # [B]
-            ids[:, 0] = torch.where(relayed.to(dev), gathered, ids[:, 0])
+            ids[:, 0] = torch.where(torch.from_numpy(relayed).to(dev), gathered, ids[:, 0])
         if self.packed:
-            return pack_step(ids, pos, query_lens, slot_ids, dev)
+            return pack_step(ids, pos, lens, slots, dev, self.spec.max_model_len, self.model.compute_dtype)
         return ForwardBatch(
             input_ids=ids,
-            positions=pos.to(dev),
-            write_slots=torch.where(valid, slot_ids.unsqueeze(1), self.scratch_slot).to(dev),
-            slot_ids=slot_ids.to(dev),
-            last_index=(query_lens - 1).clamp(min=0).to(dev),
+            positions=torch.from_numpy(pos).to(dev),
+            write_slots=torch.from_numpy(np.where(valid, slots[:, None], self.scratch_slot)).to(dev),
+            slot_ids=torch.from_numpy(slots).to(dev),
+            last_index=torch.from_numpy(np.maximum(lens - 1, 0)).to(dev),
             context_len=self.spec.max_model_len if self.fixed_context else int(pos.max()) + 1,
         )
 
     @staticmethod
     def _relayed(
-        relay_tokens: torch.Tensor | None, relay_rows: torch.Tensor | None, query_lens: torch.Tensor
-    ) -> torch.Tensor | None:
+        relay_tokens: torch.Tensor | None, relay_rows: torch.Tensor | None, lens: np.ndarray
+    ) -> np.ndarray | None:
         """The rows whose input token comes from `relay_tokens` (bool `[B]`), checked on the host."""
         if relay_tokens is None and relay_rows is None:
             return None
         if relay_tokens is None or relay_rows is None:
             raise ValueError("relay_tokens and relay_rows come together")
-        if relay_tokens.dim() != 1 or relay_rows.shape != query_lens.shape:
+        if relay_tokens.dim() != 1 or tuple(relay_rows.shape) != lens.shape:
             raise ValueError(
                 f"relay inputs: relay_tokens {tuple(relay_tokens.shape)} must be 1-D and relay_rows "
                 f"{tuple(relay_rows.shape)} one per row"
             )
-        rows = relay_rows.long()
-        if bool(((rows < -1) | (rows >= relay_tokens.shape[0])).any()):
+        rows = relay_rows.numpy()
+        if rows.size and (rows.min() < -1 or rows.max() >= relay_tokens.shape[0]):
             raise ValueError(f"relay_rows {rows.tolist()} must lie in [-1, {relay_tokens.shape[0]})")
         relayed = rows >= 0
-        if bool((relayed & (query_lens != 1)).any()):
+        if (relayed & (lens != 1)).any():
             raise ValueError(f"relay_rows {rows.tolist()}: only a row of one token (a decode) is relayed")
         return relayed
 
-    def _check(
-        self, ids: torch.Tensor | None, pos: torch.Tensor, query_lens: torch.Tensor, slot_ids: torch.Tensor, length: int
-    ) -> None:
-        # numpy views of the host tensors: a handful of reductions over at most a few thousand
-        # values, where each torch op would cost its dispatch.
-        lens, slots = query_lens.numpy(), slot_ids.numpy()
+    def _check(self, ids: np.ndarray | None, pos: np.ndarray, lens: np.ndarray, slots: np.ndarray, length: int) -> None:
         if lens.min() < 0 or lens.max() > length:
-            raise ValueError(f"query_lens {query_lens.tolist()} must lie in [0, {length}]")
+            raise ValueError(f"query_lens {lens.tolist()} must lie in [0, {length}]")
         if slots.min() < 0 or slots.max() > self.scratch_slot:
-            raise ValueError(f"slot_ids {slot_ids.tolist()} must lie in [0, {self.scratch_slot}]")
+            raise ValueError(f"slot_ids {slots.tolist()} must lie in [0, {self.scratch_slot}]")
         real = slots[lens > 0].tolist()
         # Two live rows on one slot would race their K/V writes; padding rows with tokens would write
         # the scratch slot and then read it as context, which is meaningless.
         if len(set(real)) != len(real) or self.scratch_slot in real:
-            raise ValueError(f"rows with tokens need distinct real slots, got slot_ids {slot_ids.tolist()}")
-        if ids is not None:
-            values = ids.numpy()
-            if values.min() < 0 or values.max() >= self.config.vocab_size:
-                raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size})")
-        at = pos.numpy()
-        if at.min() < 0 or at.max() >= self.spec.max_model_len:
+            raise ValueError(f"rows with tokens need distinct real slots, got slot_ids {slots.tolist()}")
+        if ids is not None and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size})")
+        if pos.min() < 0 or pos.max() >= self.spec.max_model_len:
             raise ValueError(f"positions must lie in [0, max_model_len={self.spec.max_model_len})")
 
 

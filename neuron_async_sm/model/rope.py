@@ -35,28 +35,36 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class RopeTable:
-    """cos/sin for every position a KV slot can hold: computed once in float64, stored in the model dtype."""
+    """cos/sin for every position a KV slot can hold: computed once in float64, stored in the model dtype.
+
+    `sin_rot` is sin with its first half negated: rotating half of x is then a roll of x (see
+    `apply_rope`), one op where the negation and the concatenation were two.
+    """
 
     cos: torch.Tensor  # [max_model_len, head_dim]
-    sin: torch.Tensor  # [max_model_len, head_dim]
+    sin_rot: torch.Tensor  # [max_model_len, head_dim]: -sin on the first half, sin on the second
 
     @staticmethod
     def build(config: LlamaConfig, max_model_len: int, dtype: torch.dtype) -> RopeTable:
         freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float64), rope_inv_freq(config))
         emb = torch.cat((freqs, freqs), dim=-1)  # HF layout: the two halves share frequencies
-        return RopeTable(cos=emb.cos().to(dtype), sin=emb.sin().to(dtype))
+        half = emb.shape[-1] // 2
+        sign = torch.cat((-torch.ones(half, dtype=emb.dtype), torch.ones(half, dtype=emb.dtype)))
+        return RopeTable(cos=emb.cos().to(dtype), sin_rot=(emb.sin() * sign).to(dtype))
 
     def to(self, device: torch.device) -> RopeTable:
-        return RopeTable(cos=self.cos.to(device), sin=self.sin.to(device))
+        return RopeTable(cos=self.cos.to(device), sin_rot=self.sin_rot.to(device))
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin `[..., 1, head_dim]` for positions `[...]` (`[B, L]` padded, `[N]` packed): gathered
+        """cos, sin_rot `[..., 1, head_dim]` for positions `[...]` (`[B, L]` padded, `[N]` packed): gathered
         once per step for all layers, broadcast over the heads."""
-        return self.cos[positions].unsqueeze(-2), self.sin[positions].unsqueeze(-2)
+        return self.cos[positions].unsqueeze(-2), self.sin_rot[positions].unsqueeze(-2)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates x `[B, L, heads, head_dim]` by cos/sin `[B, L, 1, head_dim]` (HF's rotate-half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.Tensor:
+    """Rotates x `[..., heads, head_dim]` by cos/sin_rot `[..., 1, head_dim]` (HF's rotate-half convention).
+
+    HF's x * cos + cat(-x2, x1) * sin, written as x * cos + cat(x2, x1) * sin_rot: the roll swaps
+    the halves and sin_rot carries the sign. Three ops (mul, roll, addcmul) where there were six.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_rot)
