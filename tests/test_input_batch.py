@@ -8,8 +8,9 @@ from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.outputs import SchedulerOutput
 from neuron_async_sm.runtime import WireTensor
 from neuron_async_sm.sampling_params import SamplingParams
+from neuron_async_sm.worker.async_output import StepSnapshot
 from neuron_async_sm.worker.input_batch import POISON_TOKEN, CachedRequestState, InputBatch, next_row_order
-from neuron_async_sm.worker.model_input import build_model_input, padded_input_shape
+from neuron_async_sm.worker.model_input import WrittenTokens, _follows, build_model_input, padded_input_shape
 
 CONFIG = EngineConfig(
     max_num_seqs=6, max_model_len=48, max_num_batched_tokens=64, decode_buckets=(2, 4, 8), prefill_buckets=(8, 16, 64)
@@ -182,3 +183,88 @@ def test_a_large_write_back_lands_in_the_arrays_the_inputs_read():
         EngineConfig(max_num_seqs=slots, max_model_len=16, decode_buckets=(64,)), so, batch, req_ids, rows
     )
     assert got.input_ids.tolist()[: slots - 1] == [100 + i for i in range(slots) if i != 5]
+
+
+def test_decode_ids_from_the_previous_steps_written_tokens_equal_the_gather():
+    """A decode step right after a step on the same rows takes its ids from that step's written tokens
+    (`written`); through random adds, removes, skipped rows and late or missing write-backs they must
+    be the ids the gather reads (the step's inputs with and without `written` are equal), and the
+    shortcut must be taken on the steady stretches."""
+    rng = random.Random(11)
+    batch = InputBatch(CONFIG.max_num_seqs, CONFIG.max_model_len)
+    computed: dict[str, int] = {}
+    free = list(range(CONFIG.max_num_seqs))
+    names = iter(f"r{i}" for i in range(10_000))
+    last: WrittenTokens | None = None
+    taken = 0
+    for step_id in range(600):
+        steady = rng.random() < 0.8  # most steps change nothing: the shortcut's case
+        removed = frozenset() if steady else frozenset(r for r in batch.req_ids if rng.random() < 0.3)
+        free += [batch.requests[r].kv_slot for r in removed]
+        added = []
+        for _ in range(0 if steady else rng.randint(0, len(free))):
+            req_id, slot = next(names), free.pop(rng.randrange(len(free)))
+            added.append(state(req_id, [rng.randrange(3, 90) for _ in range(rng.randint(1, 6))], slot))
+            computed[req_id] = 0
+        batch.update(removed, added)
+        scheduled = {}
+        for r in batch.req_ids:
+            if computed[r] + 1 >= CONFIG.max_model_len or (not steady and rng.random() < 0.2):
+                continue
+            left = batch.requests[r].num_prompt_tokens - computed[r]
+            scheduled[r] = 1 if left <= 0 else rng.randint(1, left)
+        if not scheduled:
+            continue
+        so = step(step_id, scheduled, {r: computed[r] for r in scheduled}, batch)
+        plain = build(so, batch)
+        req_ids, slots = batch.scheduled_rows(so.num_scheduled_tokens)
+        got = build_model_input(CONFIG, so, batch, req_ids, slots, written=last)
+        assert got.input_ids.tolist() == plain.input_ids.tolist(), step_id
+        assert got.sample_positions == plain.sample_positions
+        if so.all_decode and last is not None and _follows(last, step_id, req_ids, list(plain.positions.tolist())):
+            taken += 1
+        for r, n in scheduled.items():
+            computed[r] += n
+        if rng.random() < 0.9:  # written back (else: never, as a late one would be)
+            tokens = [rng.randrange(3, 90) for _ in got.req_ids]
+            batch.write_tokens(got.req_ids, got.sample_positions, tokens)
+            last = WrittenTokens(StepSnapshot(step_id, got.req_ids, got.sample_positions), tokens)
+    assert taken > 50, taken
+
+
+def test_written_tokens_of_an_older_step_or_other_rows_are_never_the_ids():
+    """Hazard: stale input ids. A recycled id decodes the position its previous owner sampled, its
+    own token there not written yet: the ids are POISON_TOKEN (the gather), not the old owner's token,
+    though the old step's rows and positions look the same; likewise for other rows or positions."""
+    batch = InputBatch(CONFIG.max_num_seqs, CONFIG.max_model_len)
+    batch.update(frozenset(), [state("a", [5, 6, 7], slot=0)])
+    first = build(step(4, {"a": 3}, {"a": 0}, batch), batch)
+    batch.write_tokens(first.req_ids, first.sample_positions, [41])
+    old = WrittenTokens(StepSnapshot(4, first.req_ids, first.sample_positions), [41])
+    batch.update(frozenset({"a"}), [state("a", [9, 9, 9], slot=0)])  # "a" again: a new request
+    build(step(5, {"a": 3}, {"a": 0}, batch), batch)  # its prefill, in flight: never written
+    so = step(6, {"a": 1}, {"a": 3}, batch)
+    req_ids, slots = batch.scheduled_rows(so.num_scheduled_tokens)
+    assert build_model_input(CONFIG, so, batch, req_ids, slots, written=old).input_ids.tolist()[0] == POISON_TOKEN
+    for snapshot in [StepSnapshot(5, ("b",), (3,)), StepSnapshot(5, ("a",), (2,))]:
+        other = WrittenTokens(snapshot, [41])
+        assert build_model_input(CONFIG, so, batch, req_ids, slots, written=other).input_ids.tolist()[0] == POISON_TOKEN
+    follows = WrittenTokens(StepSnapshot(5, ("a",), (3,)), [77])  # the step just before, as written
+    assert build_model_input(CONFIG, so, batch, req_ids, slots, written=follows).input_ids.tolist()[0] == 77
+
+
+def test_ids_fed_from_a_future_are_not_built_and_poison_every_real_row():
+    """cpu_ids=False (the plan feeds every input id from a future): the real rows' ids are POISON_TOKEN,
+    which the device rejects if they ever reached it; every other input is the ordinary one."""
+    batch = InputBatch(CONFIG.max_num_seqs, CONFIG.max_model_len)
+    batch.update(frozenset(), [state("a", [5, 6, 7], slot=0), state("b", [8], slot=3), state("c", [4, 4], slot=1)])
+    so = step(0, {"a": 1, "b": 1, "c": 1}, {"a": 3, "b": 1, "c": 2}, batch)
+    req_ids, slots = batch.scheduled_rows(so.num_scheduled_tokens)
+    plain = build_model_input(CONFIG, so, batch, req_ids, slots)
+    fed = build_model_input(CONFIG, so, batch, req_ids, slots, cpu_ids=False)
+    assert fed.input_ids.tolist() == [POISON_TOKEN] * 3 + [0]  # bucket 4: one padding row
+    assert fed.encoded["input_ids"].decode().tolist() == fed.input_ids.tolist()
+    for name, value in plain.program_inputs().items():
+        if name != "input_ids":
+            assert torch.equal(value, fed.program_inputs()[name]), name
+    assert fed.sample_positions == plain.sample_positions

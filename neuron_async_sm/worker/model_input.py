@@ -14,7 +14,8 @@ from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.model import sample_tokens
 from neuron_async_sm.outputs import SchedulerOutput
 from neuron_async_sm.runtime import WireTensor
-from neuron_async_sm.worker.input_batch import InputBatch
+from neuron_async_sm.worker.async_output import StepSnapshot
+from neuron_async_sm.worker.input_batch import POISON_TOKEN, InputBatch
 
 _FORWARD_INPUTS = ("input_ids", "positions", "query_lens", "slot_ids")
 _plus_one = (1).__add__
@@ -124,6 +125,26 @@ class RowInputs:
     decode_encoded: Mapping[str, WireTensor]
 
 
+@dataclass(slots=True)
+class WrittenTokens:
+    """The last step's tokens the write-back put into the batch: row i's `tokens[i]` at position
+    `snapshot.sample_positions[i]` of request `snapshot.req_ids[i]`. Never written after it is built
+    (not frozen: one is built on every step, and a frozen dataclass's __init__ costs three times more)."""
+
+    snapshot: StepSnapshot
+    tokens: list[int]  # [num_rows]
+
+
+def _follows(written: WrittenTokens, step_id: int, req_ids: tuple[str, ...], start: list[int]) -> bool:
+    """`written` is the step just before `step_id`, on the same rows, each of which sampled the position
+    this step starts at: its tokens are then the ids the batch holds there, the gather's result.
+
+    Hazard: stale input ids. All three are needed: an older step's tokens, or another request's
+    (a recycled id), would be a silent wrong token where the gather reads POISON_TOKEN."""
+    snapshot = written.snapshot
+    return snapshot.step_id == step_id - 1 and snapshot.req_ids == req_ids and snapshot.sample_positions == tuple(start)
+
+
 def _padded(values: np.ndarray, num_padded: int, fill: float, dtype: type) -> torch.Tensor:
     out = np.full(num_padded, fill, dtype=dtype)  # [B]
     out[: len(values)] = values
@@ -169,6 +190,9 @@ def build_model_input(
     batch: InputBatch,
     req_ids: tuple[str, ...],
     slots: np.ndarray,
+    *,
+    written: WrittenTokens | None = None,
+    cpu_ids: bool = True,
 ) -> ModelInput:
     """Inputs from CPU state: a prefill's are vectorized gathers from the batch's arrays; a decode step's
     few values per row are gathered in plain Python through the batch's memoryview.
@@ -176,7 +200,9 @@ def build_model_input(
     `req_ids` are the step's rows in order and `slots` [num_rows] their KV slots. Tokens that exist
     only in a pending future come out as POISON_TOKEN (hazard: stale input ids; the device rejects them).
     A decode step whose rows are the previous step's builds only its ids, positions and output
-    indices: the rest (`RowInputs`) is the previous step's.
+    indices: the rest (`RowInputs`) is the previous step's. Its ids are the previous step's tokens as
+    written back (`written`) when that step sampled exactly them (`_follows`), and are not built at all
+    (`cpu_ids=False`: POISON_TOKEN in every real row) when the plan feeds every input id from a future.
     """
     is_decode = scheduled.all_decode
     shape = padded_input_shape(config, scheduled)
@@ -189,7 +215,12 @@ def build_model_input(
         # dozen calls, each microseconds on the engine's cache-cold thread (and no bytecode per row).
         start = list(map(computed.__getitem__, req_ids))  # [R] position of each row's input token
         end = list(map(_plus_one, start))  # [R] position of the token each row samples
-        ids = array("i", map(batch.token_flat.__getitem__, map(add, rows.token_offsets, start)))  # [B]
+        if not cpu_ids:  # a future replaces them; if they ever reached the device it would reject them
+            ids = array("i", [POISON_TOKEN]) * num_rows  # [B]
+        elif written is not None and _follows(written, scheduled.step_id, req_ids, start):
+            ids = array("i", written.tokens)  # [B]
+        else:
+            ids = array("i", map(batch.token_flat.__getitem__, map(add, rows.token_offsets, start)))  # [B]
         pos = array("i", start)  # [B]
         output_index = array("q", map(add, start, rows.output_index_offsets))  # [B]: end - num_prompt
         if num_padded > num_rows:

@@ -24,6 +24,7 @@ from neuron_async_sm.worker.input_batch import CachedRequestState, InputBatch, s
 from neuron_async_sm.worker.model_input import (
     SAMPLED_DTYPE,
     ModelInput,
+    WrittenTokens,
     build_model_input,
     logits_dtype,
     padded_input_shape,
@@ -88,6 +89,7 @@ class ModelRunner:
         # Guards the CPU token state against the async output thread's write-back. Lock order: an
         # output's lock may be held while taking this one, never the reverse (no deadlock).
         self._state_lock = threading.Lock()
+        self._last_written: WrittenTokens | None = None  # the last write-back (under _state_lock)
         self.buffer: AsyncExecutionBuffer | None = None
         self.machine = sm.AsyncStepMachine(on_transition=self._trace_transition)
         self._executed: ExecutedStep | None = None
@@ -125,7 +127,7 @@ class ModelRunner:
             with self.tracer.observer.span("materialize"):
                 self._materialize_pending()
         self._update_states(scheduled)
-        model_input = self._prepare_model_input(scheduled)
+        model_input = self._prepare_model_input(scheduled, cpu_ids=not self._feeds_every_id(plan.input_source))
         if path is not None:
             assert model_input.req_ids == self._step_req_ids, "row order differs from the observed order"
         inputs = model_input.step_inputs() | self._future_inputs(plan.input_source, model_input)
@@ -261,10 +263,16 @@ class ModelRunner:
         with self._state_lock:
             self.batch.update(scheduled.finished_req_ids, added)
 
-    def _prepare_model_input(self, scheduled: SchedulerOutput) -> ModelInput:
+    def _feeds_every_id(self, source: sm.InputSource) -> bool:
+        """The plan's input source replaces every CPU-built input id (see `_future_inputs`)."""
+        return source is sm.InputSource.FUTURE or (source is sm.InputSource.REMAPPED_FUTURE and self.is_output_rank)
+
+    def _prepare_model_input(self, scheduled: SchedulerOutput, *, cpu_ids: bool) -> ModelInput:
         with self._state_lock:
             req_ids, slots = self.batch.scheduled_rows(scheduled.num_scheduled_tokens)
-            return build_model_input(self.config, scheduled, self.batch, req_ids, slots)
+            return build_model_input(
+                self.config, scheduled, self.batch, req_ids, slots, written=self._last_written, cpu_ids=cpu_ids
+            )
 
     def _write_back(self, snapshot: StepSnapshot, tokens: list[int]) -> None:
         """Write sampled tokens into CPU state by the snapshot's request ids (never by current row)."""
@@ -273,6 +281,7 @@ class ModelRunner:
             # Hazard: token ownership after condense(). One scatter addressed by the snapshot's
             # request ids; the rows may have moved or left since this step was sampled.
             self.batch.write_tokens(snapshot.req_ids, snapshot.sample_positions, tokens)
+            self._last_written = WrittenTokens(snapshot, tokens)
 
     def _trace_header(self) -> None:
         """The trace's header: the constants a trace checker needs (model_check/), and the threads."""
