@@ -52,6 +52,7 @@ class Scheduler:
         self._free_slots: list[int] = list(range(config.max_num_seqs))
         self._finished_since_schedule: set[str] = set()
         self._next_step_id = 0
+        self.num_output_tokens = 0  # tokens emitted so far (every delta of update_from_output holds one)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -239,6 +240,7 @@ class Scheduler:
                     append_delta(RequestDelta(req_id, [token], reason.value))
             if request.status is finished:
                 self._forget_if_done(request)
+        self.num_output_tokens += len(deltas)  # one token each
         return deltas
 
     def _release_slot(self, request: Request) -> None:

@@ -269,3 +269,22 @@ def test_a_finished_request_is_tracked_until_its_last_step_in_flight_is_applied(
     assert s.num_steps_in_flight("a") == 0 and "a" not in s.requests
     add(s, "a", 2, max_tokens=3)  # the id is free again
     assert [d.new_token_ids for d in run(s, s.schedule(), token=5)] == [[5]]
+
+
+def test_num_output_tokens_counts_the_tokens_of_the_deltas():
+    """The engine's output_tokens stat: every token a delta carried, none of the discarded ones."""
+    s = make(async_scheduling=True)
+    add(s, "a", 4, max_tokens=3)
+    add(s, "b", 4, max_tokens=9)
+    add(s, "c", 4, max_tokens=9)
+    delivered, in_flight = 0, []
+    for turn in range(6):
+        so = s.schedule()
+        if not so.is_empty:
+            in_flight.append(so)
+        if turn == 2:
+            delivered += len(s.abort_request("c").new_token_ids)
+        if in_flight and (len(in_flight) == 2 or so.is_empty):
+            deltas = run(s, in_flight.pop(0), per_req={"b": EOS} if turn == 3 else {})
+            delivered += sum(len(d.new_token_ids) for d in deltas)
+    assert s.num_output_tokens == delivered == 3 + 2 + 2, (s.num_output_tokens, delivered)  # then b stops

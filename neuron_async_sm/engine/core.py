@@ -13,7 +13,6 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from operator import attrgetter
 
 import torch
 
@@ -59,9 +58,6 @@ BATCH_QUEUE_DEPTH = 2
 TEARDOWN_WAIT_S = 2.0
 """Bound on teardown's waits for host work. They run after the runtime is down, when no wait on the
 device is left: an in-flight output then resolves in milliseconds, so this is only a backstop."""
-
-
-_new_token_ids = attrgetter("new_token_ids")
 
 
 class EngineDeadError(NeuronAsyncSMError, RuntimeError):
@@ -161,7 +157,6 @@ class EngineCore:
         self.dead_reason: str | None = None
         self.interrupted = False  # a step was interrupted (Ctrl-C): shutdown() waits for nothing
         self.num_steps = 0  # forward steps enqueued
-        self.num_output_tokens = 0
         self._busy_s = 0.0  # time inside run_step(): tokens/s is not diluted by a client's idle time
         self._last_log = time.perf_counter()
 
@@ -260,7 +255,6 @@ class EngineCore:
             raise
         finally:
             self._busy_s += time.perf_counter() - started
-        self.num_output_tokens += sum(map(len, map(_new_token_ids, deltas)))  # C loops: one turn of every step
         self._maybe_log_stats()
         return deltas
 
@@ -311,9 +305,9 @@ class EngineCore:
         stats = {
             "async_scheduling": self.config.async_scheduling,
             "steps": self.num_steps,
-            "output_tokens": self.num_output_tokens,
+            "output_tokens": self.scheduler.num_output_tokens,
             "elapsed_s": elapsed,
-            "tokens_per_s": self.num_output_tokens / elapsed if elapsed > 0 else 0.0,
+            "tokens_per_s": self.scheduler.num_output_tokens / elapsed if elapsed > 0 else 0.0,
         }
         if self.config.async_scheduling:
             stats.update(self.runner.machine.counters())
