@@ -221,7 +221,7 @@ def test_decode_ids_from_the_previous_steps_written_tokens_equal_the_gather():
         got = build_model_input(CONFIG, so, batch, req_ids, slots, written=last)
         assert got.input_ids.tolist() == plain.input_ids.tolist(), step_id
         assert got.sample_positions == plain.sample_positions
-        if so.all_decode and last is not None and _follows(last, step_id, req_ids, list(plain.positions.tolist())):
+        if so.all_decode and last is not None and _follows(last, step_id, req_ids, tuple(plain.positions.tolist())):
             taken += 1
         for r, n in scheduled.items():
             computed[r] += n

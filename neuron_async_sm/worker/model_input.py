@@ -135,14 +135,14 @@ class WrittenTokens:
     tokens: list[int]  # [num_rows]
 
 
-def _follows(written: WrittenTokens, step_id: int, req_ids: tuple[str, ...], start: list[int]) -> bool:
+def _follows(written: WrittenTokens, step_id: int, req_ids: tuple[str, ...], start: tuple[int, ...]) -> bool:
     """`written` is the step just before `step_id`, on the same rows, each of which sampled the position
     this step starts at: its tokens are then the ids the batch holds there, the gather's result.
 
     Hazard: stale input ids. All three are needed: an older step's tokens, or another request's
     (a recycled id), would be a silent wrong token where the gather reads POISON_TOKEN."""
     snapshot = written.snapshot
-    return snapshot.step_id == step_id - 1 and snapshot.req_ids == req_ids and snapshot.sample_positions == tuple(start)
+    return snapshot.step_id == step_id - 1 and snapshot.req_ids == req_ids and snapshot.sample_positions == start
 
 
 def _padded(values: np.ndarray, num_padded: int, fill: float, dtype: type) -> torch.Tensor:
@@ -213,8 +213,8 @@ def build_model_input(
         # Every row is past its prompt and samples the token after its one input token. map() over a
         # memoryview and one buffer per tensor: a decode step's few values cost less so than numpy's
         # dozen calls, each microseconds on the engine's cache-cold thread (and no bytecode per row).
-        start = list(map(computed.__getitem__, req_ids))  # [R] position of each row's input token
-        end = list(map(_plus_one, start))  # [R] position of the token each row samples
+        start = tuple(map(computed.__getitem__, req_ids))  # [R] position of each row's input token
+        end = tuple(map(_plus_one, start))  # [R] position of the token each row samples
         if not cpu_ids:  # a future replaces them; if they ever reached the device it would reject them
             ids = array("i", [POISON_TOKEN]) * num_rows  # [B]
         elif written is not None and _follows(written, scheduled.step_id, req_ids, start):
@@ -239,7 +239,7 @@ def build_model_input(
         }
         return ModelInput(
             req_ids=req_ids,
-            sample_positions=tuple(end),
+            sample_positions=end,
             is_decode=True,
             input_ids=torch.frombuffer(ids, dtype=torch.int32),
             positions=torch.frombuffer(pos, dtype=torch.int32),
