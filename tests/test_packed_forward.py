@@ -95,3 +95,41 @@ def test_packed_mixed_step_runs_only_real_tokens() -> None:
     decode, chunk = plan.groups
     assert (decode.window_start, decode.rows, decode.context_len) == (0, 2, 13)
     assert (chunk.rows, chunk.query_len, chunk.context_len) == (1, 5, 5)
+
+
+def test_steady_decode_on_consecutive_slots_matches_padded() -> None:
+    """The steady decode step (every row one token, slots consecutive and in order) takes pack_step's
+    short path: one window group, nothing picked or placed; it computes what the padded forward does."""
+    spec = ModelSpec("tiny-llama", "float64", SLOTS, MAX_LEN)
+    packed, padded = build_step_program(spec), build_step_program(spec)
+    padded.packed = False
+    first, rows = 3, 6
+    slots = torch.arange(first, first + rows, dtype=torch.int32)
+    prompt = [7, 1, 4, 9, 2, 5]  # each slot's own prompt length, so the rows' positions differ
+    for row, length in enumerate(prompt):  # fill each slot's history with a prompt of its own
+        step = dict(
+            input_ids=torch.randint(3, 1000, (1, length), dtype=torch.int32),
+            positions=torch.arange(length, dtype=torch.int32)[None],
+            query_lens=torch.tensor([length], dtype=torch.int32),
+            slot_ids=slots[row : row + 1],
+        )
+        packed.forward_logits(**step), padded.forward_logits(**step)
+    pos = torch.tensor(prompt, dtype=torch.int32)
+    for _ in range(5):
+        ids = torch.randint(3, 1000, (rows,), dtype=torch.int32)
+        plan = pack_step(
+            ids.view(rows, 1).long(),
+            pos.view(rows, 1).long().numpy(),
+            np.ones(rows, dtype=np.int64),
+            slots.long().numpy(),
+            torch.device("cpu"),
+            MAX_LEN,
+            torch.float64,
+        )
+        (group,) = plan.groups
+        assert (group.window_start, group.rows, group.query_index, plan.last_token) == (first, rows, None, None)
+        assert group.context_len == int(pos.max()) + 1
+        step = dict(input_ids=ids, positions=pos, query_lens=torch.ones(rows, dtype=torch.int32), slot_ids=slots)
+        torch.testing.assert_close(packed.forward_logits(**step), padded.forward_logits(**step), rtol=0, atol=1e-9)
+        pos = pos + 1
+    torch.testing.assert_close(packed.kv_cache.k, padded.kv_cache.k, rtol=0, atol=1e-9)

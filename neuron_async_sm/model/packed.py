@@ -83,6 +83,8 @@ def pack_step(
     """
     lens, slots, pos = query_lens, slot_ids, positions
     b, length = pos.shape
+    if length == 1 and b and lens.min() == 1 and slots[-1] - slots[0] == b - 1 and (np.diff(slots) == 1).all():
+        return _pack_window_decode(input_ids, pos[:, 0], slots, device, max_model_len, dtype)
     starts = np.cumsum(lens) - lens  # [B]: each row's first packed token
     if length == 1:
         flat = np.flatnonzero(lens)  # [N]: packed token -> index in [B * L]
@@ -108,6 +110,40 @@ def pack_step(
         last_token=None if in_order else _tensor(np.where(lens > 0, starts + lens - 1, 0), device),
         groups=tuple(groups),
         rows=b,
+    )
+
+
+def _pack_window_decode(
+    input_ids: torch.Tensor,
+    positions: np.ndarray,
+    slots: np.ndarray,
+    device: torch.device,
+    max_model_len: int,
+    dtype: torch.dtype,
+) -> PackedBatch:
+    """`pack_step` of the steady decode step: every row one token, the rows' slots consecutive and in
+    order (slots[0] + row), so one window group whose rows are the packed tokens, nothing to pick or
+    place (what the general path builds for it, in a third of the numpy calls)."""
+    rows = slots.size
+    context_len = int(positions.max()) + 1
+    group = AttentionGroup(
+        rows=rows,
+        query_len=1,
+        query_index=None,
+        window_start=int(slots[0]),
+        slot_ids=None,
+        mask=_mask(positions[:, None], context_len, device, dtype),
+        context_len=context_len,
+        result_rows=None,
+        result_tokens=None,
+    )
+    return PackedBatch(
+        input_ids=input_ids.reshape(-1),
+        positions=_tensor(positions, device),
+        write_index=_tensor(slots * max_model_len + positions, device),
+        last_token=None,
+        groups=(group,),
+        rows=rows,
     )
 
 

@@ -107,6 +107,8 @@ class StepProgram:
                 seeds=seeds.to(dev),
                 output_index=output_index.to(dev),
             )
+            if self.packed and query_lens.numpy().min() > 0:  # no padding row: nothing to zero
+                return tokens.to(torch.int32)
             return tokens.masked_fill(query_lens.to(dev) == 0, 0).to(torch.int32)
 
     def forward_logits(
