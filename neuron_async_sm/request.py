@@ -30,8 +30,9 @@ class Request:
     step ahead, so tokens sampled by in-flight steps are not known yet: `num_output_placeholders`
     counts them.
 
-    `stop_token_set` and `max_outputs` are the stop conditions as the scheduler checks them on every
-    step, set once when it admits the request (they depend on its EOS ids and max_model_len).
+    `stop_token_set`, `max_outputs` and `max_computed_tokens` are the stop conditions as the scheduler
+    checks them on every step, set once when it admits the request (they depend on its EOS ids and
+    max_model_len).
     """
 
     request_id: str
@@ -50,10 +51,12 @@ class Request:
     stop_token_set: frozenset[int] = field(default=frozenset(), init=False, repr=False)
     # The most output tokens it may have: max_tokens, capped by max_model_len - prompt length.
     max_outputs: int = field(default=0, init=False, repr=False)
+    # The most tokens it may compute: the prompt and every output but the last (sampled, never fed back).
+    max_computed_tokens: int = field(default=0, init=False, repr=False)
+    num_prompt_tokens: int = field(default=0, init=False, repr=False)  # len(prompt_token_ids)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -77,6 +77,7 @@ class Scheduler:
         eos = () if params.ignore_eos else self.eos_token_ids
         request.stop_token_set = frozenset(params.stop_token_ids).union(eos)
         request.max_outputs = min(params.max_tokens, self.config.max_model_len - len(prompt))
+        request.max_computed_tokens = len(prompt) + request.max_outputs - 1
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -130,11 +131,12 @@ class Scheduler:
         # every step (the rest of a step is O(changes)).
         for request in self.running:  # past the budget every n below is 0: nothing more is scheduled
             req_id, computed = request.request_id, request.num_computed_tokens
-            num_prompt = len(request.prompt_token_ids)
+            num_prompt = request.num_prompt_tokens
             if computed >= num_prompt:  # decode: one token, which samples
-                if len(request.output_token_ids) + request.num_output_placeholders >= request.max_outputs:
-                    # The max_tokens pipelining gap: the tokens already in flight reach the limit, and
-                    # another step would sample a token past max_tokens / max_model_len.
+                if computed >= request.max_computed_tokens:
+                    # The max_tokens pipelining gap: every output it may have is sampled or in flight
+                    # (each decode step samples one), and another step would sample a token past
+                    # max_tokens / max_model_len.
                     if self._early_release:
                         done.append(request)
                     continue

@@ -239,11 +239,14 @@ def test_stop_tokens_are_the_stop_ids_and_eos_unless_ignored(params, tokens, emi
 @pytest.mark.parametrize("max_tokens,emitted", [(3, 3), (100, 4), (4, 4)])
 def test_length_is_the_lower_of_max_tokens_and_max_model_len(async_scheduling, max_tokens, emitted):
     """max_outputs = min(max_tokens, max_model_len - prompt): the update's stop and the schedule's
-    pipelining gap both use it (async: never a step scheduled past it)."""
+    pipelining gap (max_computed_tokens) both follow it (async: never a step scheduled past it, and
+    none missing before it)."""
     s = make(async_scheduling=async_scheduling, max_model_len=10)
     add(s, "a", 6, max_tokens=max_tokens)
     in_flight, out, steps = [], [], 0
-    while s.has_unfinished_requests():
+    for _ in range(20):  # bounded: a request never scheduled for its last token would hang here
+        if not s.has_unfinished_requests():
+            break
         so = s.schedule()
         if not so.is_empty:
             steps += 1
