@@ -213,15 +213,19 @@ class StepProgram:
         self._check(host_ids, pos, lens, slots, length)
         dev = self.device
         if on_host and self.packed:  # an eager host program: the ids are sanitized already
-            ids = torch.from_numpy(host_ids.astype(np.int64))  # type: ignore[union-attr]
+            assert host_ids is not None
+            if relayed is not None:  # the relay (below) in numpy: an eager device's future is a computed value
+                assert relay_tokens is not None and relay_rows is not None
+                host_ids[relayed, 0] = relay_tokens.numpy()[relay_rows.numpy()[relayed]]
+            ids = torch.from_numpy(host_ids.astype(np.int64))
         else:  # masked on the device, so a future input and a host input run one program
             ids = input_ids.to(dev).long().masked_fill(~torch.from_numpy(host_valid).to(dev), 0)
-        if relayed is not None:
-            assert relay_tokens is not None and relay_rows is not None
-            # The relay: where(map >= 0, future[map], host ids), on the device. A relayed row is a
-            # decode row, so its one token is column 0. Never read back (a blocking sync on a lazy device).
-            gathered = relay_tokens.to(dev).long()[relay_rows.long().clamp(min=0).to(dev)]  # [B]
-            ids[:, 0] = torch.where(torch.from_numpy(relayed).to(dev), gathered, ids[:, 0])
+            if relayed is not None:
+                assert relay_tokens is not None and relay_rows is not None
+                # The relay: where(map >= 0, future[map], host ids), on the device. A relayed row is a
+                # decode row, so its one token is column 0. Never read back (a blocking sync on a lazy device).
+                gathered = relay_tokens.to(dev).long()[relay_rows.long().clamp(min=0).to(dev)]  # [B]
+                ids[:, 0] = torch.where(torch.from_numpy(relayed).to(dev), gathered, ids[:, 0])
         if self.packed:
             return pack_step(ids, pos, lens, slots, dev, self.spec.max_model_len, self.model.compute_dtype)
         return ForwardBatch(
