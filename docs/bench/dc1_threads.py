@@ -66,8 +66,9 @@ def thread_ticks(device_pid: int | None) -> dict[str, int]:
 
 
 def _sched(path: str) -> dict[str, int]:
-    """Preemptions (involuntary switches) and migrations between CPUs, from /proc's sched (if present)."""
-    wanted = {"nr_involuntary_switches": "preempted", "se.nr_migrations": "migrated"}
+    """Preemptions (involuntary switches), sleeps (voluntary switches: blocking, a GIL hand-off included) and
+    migrations between CPUs, from /proc's sched (if present)."""
+    wanted = {"nr_involuntary_switches": "preempted", "nr_voluntary_switches": "slept", "se.nr_migrations": "migrated"}
     out = {}
     try:
         with open(path) as f:
