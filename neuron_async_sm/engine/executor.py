@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from neuron_async_sm.errors import NeuronAsyncSMError
 from neuron_async_sm.outputs import ModelRunnerOutput, SchedulerOutput
-from neuron_async_sm.runtime import defer_to_running_threads, keep_off_cpu
+from neuron_async_sm.runtime import keep_off_cpu
 from neuron_async_sm.worker.async_output import OUTPUT_THREAD_NAME, AsyncModelRunnerOutput
 from neuron_async_sm.worker.model_runner import OUTPUT_RANK, ModelRunner
 
@@ -118,7 +118,6 @@ class Executor:
         """
         assert self._output_queue is not None
         keep_off_cpu(self._device_cpu)  # woken by the device's completions: must not preempt the device
-        defer_to_running_threads()  # ... nor the main thread, which holds the GIL it needs
         while True:
             item = self._output_queue.get()
             if item is _STOP:

@@ -7,7 +7,7 @@ against and ``create_runtime`` for the emulated backends.
 """
 
 from .api import DeviceFuture, DeviceRuntime, Program, ProgramFactory, RuntimeStats, TensorSpec, WarmupCall
-from .config import DeviceKind, RuntimeConfig, defer_to_running_threads, keep_off_cpu
+from .config import DeviceKind, RuntimeConfig, keep_off_cpu
 from .create import RuntimeFactory, create_runtime, create_runtime_from_config
 from .errors import DeviceHungError, DeviceLostError, DeviceProgramError, DeviceStartupError
 from .messages import WireTensor
@@ -30,6 +30,5 @@ __all__ = [
     "WireTensor",
     "create_runtime",
     "create_runtime_from_config",
-    "defer_to_running_threads",
     "keep_off_cpu",
 ]

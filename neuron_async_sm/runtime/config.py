@@ -63,22 +63,3 @@ def keep_off_cpu(cpu: int | None) -> None:
     allowed = os.sched_getaffinity(0) - {cpu}
     if allowed:
         os.sched_setaffinity(0, allowed)
-
-
-def defer_to_running_threads() -> None:
-    """Run the calling thread (and the threads it starts later) under SCHED_BATCH: once woken it waits
-    for the CPU instead of preempting the thread running there. Its share of the CPU is unchanged.
-
-    Hazard: GIL ping-pong. The receiver and the async output thread are woken by the device while the
-    engine's main thread runs Python on the host's core, holding the GIL. Preempting it gains nothing:
-    the woken thread cannot take the GIL, sleeps again and wakes once more when the main thread lets
-    go of it, each time preempting it (issue 15, at D ~ C: about 4 preemptions of the main thread per
-    step). Under SCHED_BATCH (no wakeup preemption) it runs when the main thread blocks, waiting for
-    the step's output, or at the next scheduler tick. Linux only; a no-op where unsupported or refused.
-    """
-    if not hasattr(os, "SCHED_BATCH"):
-        return
-    try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except OSError:
-        pass

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 
 from .api import DeviceFuture, DeviceRuntime, RuntimeStats, TensorSpec
-from .config import RuntimeConfig, defer_to_running_threads, keep_off_cpu
+from .config import RuntimeConfig, keep_off_cpu
 from .errors import DeviceHungError, DeviceLostError, DeviceProgramError, DeviceStartupError
 from .host_future import HostFuture
 from .in_flight import InFlight, RuntimeState
@@ -338,7 +338,6 @@ class HostRuntime(DeviceRuntime):
         """Receiver thread: dispatch completions and fetched values until the device is gone."""
         reason = "the device channel closed"
         keep_off_cpu(self._config.device_cpu)  # this thread is the first the device wakes
-        defer_to_running_threads()  # ... and must not preempt the engine's main thread either
         try:
             while True:
                 message = self._channel.recv()
