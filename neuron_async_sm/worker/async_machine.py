@@ -73,8 +73,9 @@ class StepObservation:
 
 # Predicates over one observation. Each is named for the situation it detects.
 def composition_changed(obs: StepObservation) -> bool:
-    # One set comparison catches every cause: finished, new, aborted, unscheduled requests.
-    return frozenset(obs.prev_req_ids) != frozenset(obs.curr_req_ids)
+    # One set comparison catches every cause: finished, new, aborted, unscheduled requests. The same
+    # rows in the same order (the steady step) need no sets (at batch 256: 0.3 against 6 µs, hot).
+    return obs.prev_req_ids != obs.curr_req_ids and frozenset(obs.prev_req_ids) != frozenset(obs.curr_req_ids)
 
 
 def shape_mismatch(obs: StepObservation) -> bool:
