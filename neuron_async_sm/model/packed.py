@@ -83,7 +83,7 @@ def pack_step(
     """
     lens, slots, pos = query_lens, slot_ids, positions
     b, length = pos.shape
-    if length == 1 and b and lens.min() == 1 and slots[-1] - slots[0] == b - 1 and (np.diff(slots) == 1).all():
+    if length == 1 and b and lens.min() == 1 and (np.diff(slots) == 1).all():
         return _pack_window_decode(input_ids, pos[:, 0], slots, device, max_model_len, dtype)
     starts = np.cumsum(lens) - lens  # [B]: each row's first packed token
     if length == 1:
