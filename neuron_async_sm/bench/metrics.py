@@ -89,7 +89,7 @@ def run_metrics(
         "device_overhead_ms_per_step": (busy_s - sum(device_times) - idle_s) / steps * 1e3,
         # Where C goes (medians over steps: a preempted step would dominate a mean).
         **{f"{p}_ms_p50": percentile([log.phase_s[p][i] for i in step_turns], 50) * 1e3 for p in PHASES},
-        # Garbage collection during the run: a full (gen 2) collection stops the host for ~100 ms.
+        # Garbage collection during the run: a full (gen 2) collection stops the host for a long pause.
         "gc_ms": sum(log.gc_s) * 1e3,
         "gc_full_collections": log.gc_count[2],
     }
