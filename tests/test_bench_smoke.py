@@ -150,7 +150,7 @@ def test_sweep_and_host_cost_run_end_to_end() -> None:
     assert [r["waiting"] for r in waiting["rows"]] == [0, 50]
     for row in batch["rows"] + waiting["rows"]:
         assert all(math.isfinite(row[f"{mode}_host_us"]) and row[f"{mode}_host_us"] > 0 for mode in ("sync", "async"))
-    # tools/tree_ab.py reads these sections of a report (tests/test_tree_ab.py runs it on the comparison).
+    # docs/bench/tree_ab.py reads these sections of a report (tests/test_tree_ab.py runs it on the comparison).
     ab = tree_ab.figures({"sweep": sweep, "host_cost_batch": batch, "machine": {"load_avg_end": [0.0]}})
     real, low, high = points
     assert (ab["sweep_real_speedup"], ab["sweep_dc0.25_overlap_efficiency"], ab["sweep_dc4_D_over_C"]) == (

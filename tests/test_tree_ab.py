@@ -1,4 +1,4 @@
-"""tools/tree_ab.py, the A/B of a bench command between two trees: it runs the real bench in each
+"""docs/bench/tree_ab.py, the A/B of a bench command between two trees: it runs the real bench in each
 tree, alternating, refuses a tree it would not really import, and reads every section a report has.
 
 Nothing here compares timings: both sides are this tree."""

@@ -10,7 +10,7 @@ fitted fixed part and slope, C per batch size) and the peer comparison (tokens/s
 batch, continuous batching).
 
     git worktree add /tmp/before <commit>      # or: git archive <commit> | tar -x -C /tmp/before
-    python tools/tree_ab.py --before /tmp/before --after . --cycles 2 --out ab.json \\
+    python docs/bench/tree_ab.py --before /tmp/before --after . --cycles 2 --out ab.json \\
         -- --workload churn --repetitions 3 --max-other-cpu 0.15
 """
 
