@@ -1,8 +1,9 @@
 """How a request ends on a real `serve` process, as the client and /metrics see it, where nothing else
-looked: a stop string ends the engine's request as `stop` (not `abort`); every finished request feeds
-the latency histograms and token counters exactly; a non-streaming request still open at the shutdown
-deadline gets a 503 `abort`, and one open when the device dies a 500 `engine_error` (the streaming
-cases are tests/test_serve_lifecycle.py's). The official `openai` client throughout.
+looked: without max_tokens a chat runs to the context limit; a stop string ends the engine's request
+as `stop` (not `abort`); every finished request feeds the latency histograms and token counters
+exactly; a non-streaming request still open at the shutdown deadline gets a 503 `abort`, and one open
+when the device dies a 500 `engine_error` (the streaming cases are tests/test_serve_lifecycle.py's).
+The official `openai` client throughout.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from support.serve_harness import ServerProcess, write_text_model
 from neuron_async_sm.worker.async_machine import ASYNC_STATES, PATH_STATES
 
 LONG = dict(max_tokens=100, temperature=0.0, extra_body={"ignore_eos": True})  # ~2.5 s of 25 ms programs
-SLOW = ["--device-time-ms", "25", "--max-model-len", "128"]
+MAX_MODEL_LEN = 128
+SLOW = ["--device-time-ms", "25", "--max-model-len", str(MAX_MODEL_LEN)]
 SUCCESS = "neuron_async_sm_request_success_total"
 
 
@@ -94,6 +96,20 @@ def test_finished_requests_feed_every_histogram_and_token_counter_exactly(server
     fraction = server.metric("neuron_async_sm_async_step_fraction")
     assert fraction == pytest.approx(sum(steps[s] for s in ASYNC_STATES) / total), steps
     assert steps["Relay"] > 0, steps  # the relay is on by default: the fraction counts it
+
+
+def test_without_max_tokens_a_chat_runs_to_the_context_limit_and_a_completion_to_16(server):
+    """OpenAI's (and vLLM's) defaults: a chat gets whatever the context has room for, a completion 16."""
+    greedy = dict(temperature=0.0, extra_body={"ignore_eos": True})
+    messages = [{"role": "user", "content": "w5 w9"}]
+    chat = server.client().chat.completions.create(model=server.model, messages=messages, **greedy)
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == MAX_MODEL_LEN
+    assert chat.choices[0].finish_reason == "length"
+    out = server.client().completions.create(model=server.model, prompt=[5, 9, 17], **greedy)
+    assert (out.usage.completion_tokens, out.choices[0].finish_reason) == (16, "length")
+    unbounded = dict(greedy, extra_body={"ignore_eos": True, "max_tokens": None})  # sent as null
+    out = server.client().completions.create(model=server.model, prompt=[5, 9, 17], **unbounded)
+    assert (out.usage.completion_tokens, out.choices[0].finish_reason) == (MAX_MODEL_LEN - 3, "length")
 
 
 class OpenRequest(threading.Thread):
