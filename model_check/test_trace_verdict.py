@@ -156,3 +156,25 @@ def test_the_command_exits_1_on_a_trace_broken_at_its_last_event_and_0_on_the_in
         assert main([str(path)]) == code, capsys.readouterr().out
         out = capsys.readouterr().out
         assert out.startswith("accepted" if code == 0 else "rejected: TokenOwnershipInv"), out
+
+
+def test_an_event_on_a_thread_the_header_does_not_name_is_an_error_not_a_guess():
+    """Thread identity comes from the header. A materialization on any other thread is no behaviour the
+    checker can judge (it would pass for the output thread's): refused before TLC runs."""
+    events = hand_made_trace()
+    i = next(i for i, e in enumerate(events) if e["event"] == "Materialize")
+    events[i] = dict(events[i], thread="worker-3")
+    with pytest.raises(ValueError, match="thread 'worker-3' is not the header's engine or output thread"):
+        check_trace(events)
+
+
+def test_an_abort_of_a_request_no_step_admitted_is_left_out(tlc_available):
+    """A client may abort a request still waiting for a slot: no step names it, the spec never sees it
+    arrive, and its abort (logged on the client's thread) is left out; the trace is still accepted."""
+    events = hand_made_trace()
+    i = next(i for i, e in enumerate(events) if e["event"] == "AdvanceStep")
+    waiting = {"event": "Abort", "thread": "ThreadPoolExecutor-0_0", "req_id": "c", "seq": -1}
+    events.insert(i, waiting)
+    verdict = check_trace(events)
+    assert verdict.accepted, verdict.describe()
+    assert waiting not in verdict.events and len(verdict.events) == len(events) - 2
