@@ -54,13 +54,13 @@ def test_a_client_that_leaves_a_non_streaming_request_gets_it_aborted_at_once(se
     with pytest.raises(openai.APITimeoutError):
         call(client, server.model)  # the client gives up and closes its connection
     left = time.monotonic()
-    assert delta("neuron_async_sm_prompt_tokens_total") > 0, "the request never reached the engine"
 
     def settled() -> bool:
         return sum(finished(r) for r in ("stop", "length", "abort", "error")) >= 1
 
     server.wait_for(settled, "the request to finish", timeout_s=30)
     waited = time.monotonic() - left
+    assert delta("neuron_async_sm_prompt_tokens_total") > 0, "the request never reached the engine"
     generated = delta("neuron_async_sm_generation_tokens_total")
     print(f"{call.__name__}: ended {waited:.2f} s after the client left, {generated:.0f} tokens generated")
     assert finished("abort") == 1 and finished("length") == 0, server.metrics()
