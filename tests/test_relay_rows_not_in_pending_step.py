@@ -31,7 +31,6 @@ ENGINE = dict(
     max_num_batched_tokens=16,
     prefill_buckets=(8, 16),
     decode_buckets=(1, 2, 4),
-    device="cpu-inprocess",
 )
 PROMPTS = {"r0": [5, 9, 17], "r1": [30, 2], "r2": [7, 7, 8, 11], "r3": [40, 41]}
 SEEDS = {"r0": 11, "r1": 12, "r2": 13, "r3": 14}
@@ -101,13 +100,14 @@ def run_steps(llm: LLM, trace_path: Path | None = None) -> list[dict[str, int]]:
 
 @pytest.fixture(scope="module")
 def sync_tokens() -> list[dict[str, int]]:
-    with LLM("tiny-llama", async_scheduling=False, **ENGINE) as llm:
+    with LLM("tiny-llama", async_scheduling=False, device="cpu-inprocess", **ENGINE) as llm:
         return run_steps(llm)
 
 
-def test_a_relay_feeds_rows_absent_from_the_pending_step_the_host_token(sync_tokens, tmp_path):
+@pytest.mark.parametrize("device", ["cpu-inprocess", "cpu"])  # the device process: the map crosses the wire
+def test_a_relay_feeds_rows_absent_from_the_pending_step_the_host_token(sync_tokens, tmp_path, device):
     path = tmp_path / "relay.ndjson"
-    with LLM("tiny-llama", async_scheduling=True, async_relay=True, **ENGINE) as llm:
+    with LLM("tiny-llama", async_scheduling=True, async_relay=True, device=device, **ENGINE) as llm:
         tokens = run_steps(llm, path)
     assert tokens == sync_tokens  # async == sync, step by step
 
@@ -136,5 +136,5 @@ def test_a_relay_feeds_rows_absent_from_the_pending_step_the_host_token(sync_tok
 
 
 def test_the_relay_off_takes_the_fallbacks_on_the_same_steps_and_agrees(sync_tokens):
-    with LLM("tiny-llama", async_scheduling=True, async_relay=False, **ENGINE) as llm:
+    with LLM("tiny-llama", async_scheduling=True, async_relay=False, device="cpu-inprocess", **ENGINE) as llm:
         assert run_steps(llm) == sync_tokens
