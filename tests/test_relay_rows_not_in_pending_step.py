@@ -7,8 +7,11 @@ builds that step. Here the step sequence is built by hand and run through real M
 worker's public surface: execute_model, sample_tokens, get_output) on the engine's programs: three
 requests join, then decode in turns, each sitting out one step or more. A decode row whose request
 did not sample in the pending step must take the token the host already has (its step was applied
-before this one was scheduled), never a row of the pending future, never POISON_TOKEN. The async
-runner with the relay on must sample exactly what the sync runner samples on the same steps.
+before this one was scheduled), never a row of the pending future, never POISON_TOKEN. Every runner
+(sync, async with the relay on and off) must sample what each request samples alone.
+
+The same steps also reach a guard of the CPU-built ids: step 2's rows start at exactly the positions
+step 1's rows sampled, but they are other requests; the ids step 1 wrote back are not theirs.
 """
 
 from __future__ import annotations
@@ -32,18 +35,25 @@ ENGINE = dict(
     prefill_buckets=(8, 16),
     decode_buckets=(1, 2, 4),
 )
-PROMPTS = {"r0": [5, 9, 17], "r1": [30, 2], "r2": [7, 7, 8, 11], "r3": [40, 41]}
+# r0 and r1 the same length and r2 one longer: step 2 starts where step 1 sampled (see the docstring)
+PROMPTS = {"r0": [5, 9, 17], "r1": [30, 2, 19], "r2": [7, 7, 8, 11], "r3": [40, 41]}
 SEEDS = {"r0": 11, "r1": 12, "r2": 13, "r3": 14}
+# Greedy rows follow their input token closely; sampled ones test the seed and output index as well.
+TEMPERATURE = {"r0": 0.0, "r1": 1.0, "r2": 0.0, "r3": 1.0}
 # Per step: the requests it runs, in row order; a request's first step is its prefill.
 STEPS = [
     ["r0", "r1", "r2"],  # NoPendingFuture: three prefills
     ["r0", "r1"],  # r2 sits out
-    ["r1", "r2"],  # r2 was not in the pending step: its CPU-built id
+    ["r1", "r2"],  # r2 was not in the pending step: its CPU-built id; starts at step 1's sampled positions
     ["r0", "r1", "r2"],  # r0 was not in the pending step
     ["r2"],
     ["r0", "r2", "r3"],  # r0 was not in the pending step, beside a prefill (a mixed step)
     ["r0", "r1", "r2", "r3"],  # r1 was not in the pending step
 ]
+
+
+def params_of(request: str, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=TEMPERATURE[request], seed=SEEDS[request], ignore_eos=True)
 
 
 @dataclass
@@ -60,7 +70,7 @@ class HandScheduler:
             num_scheduled[r] = len(PROMPTS[r]) if joins else 1
             num_computed[r] = 0 if joins else len(PROMPTS[r]) + self.outputs[r] - 1
             self.outputs[r] = self.outputs.get(r, 0) + 1
-        params = {r: SamplingParams(max_tokens=16, temperature=1.0, seed=SEEDS[r], ignore_eos=True) for r in new}
+        params = {r: params_of(r, 16) for r in new}
         slots = {r: int(r[1:]) for r in new}
         return SchedulerOutput(
             step_id=step_id,
@@ -99,17 +109,26 @@ def run_steps(llm: LLM, trace_path: Path | None = None) -> list[dict[str, int]]:
 
 
 @pytest.fixture(scope="module")
-def sync_tokens() -> list[dict[str, int]]:
+def expected() -> list[dict[str, int]]:
+    """Each step's tokens by request, from each request decoded alone by the sync engine: sampling is
+    a pure function of the logits, the seed and the output index, and float64 is batch-invariant."""
+    counts = {r: sum(r in step for step in STEPS) for r in PROMPTS}
     with LLM("tiny-llama", async_scheduling=False, device="cpu-inprocess", **ENGINE) as llm:
-        return run_steps(llm)
+        alone = {r: llm.generate([PROMPTS[r]], params_of(r, counts[r]))[0].output_token_ids for r in PROMPTS}
+    return [{r: alone[r][sum(r in step for step in STEPS[:k])] for r in rows} for k, rows in enumerate(STEPS)]
+
+
+def test_the_sync_runner_on_these_steps_samples_what_each_request_samples_alone(expected):
+    with LLM("tiny-llama", async_scheduling=False, device="cpu-inprocess", **ENGINE) as llm:
+        assert run_steps(llm) == expected
 
 
 @pytest.mark.parametrize("device", ["cpu-inprocess", "cpu"])  # the device process: the map crosses the wire
-def test_a_relay_feeds_rows_absent_from_the_pending_step_the_host_token(sync_tokens, tmp_path, device):
+def test_a_relay_feeds_rows_absent_from_the_pending_step_the_host_token(expected, tmp_path, device):
     path = tmp_path / "relay.ndjson"
     with LLM("tiny-llama", async_scheduling=True, async_relay=True, device=device, **ENGINE) as llm:
         tokens = run_steps(llm, path)
-    assert tokens == sync_tokens  # async == sync, step by step
+    assert tokens == expected  # step by step: what each request samples alone, so what sync samples
 
     events = [json.loads(line) for line in path.read_text().splitlines()]
     reinstates = {e["step"]: e for e in events if e["event"] == "reinstate"}
@@ -131,10 +150,10 @@ def test_a_relay_feeds_rows_absent_from_the_pending_step_the_host_token(sync_tok
                     checked += 1
         for r in rows:
             position = len(PROMPTS[r]) + sum(r in step for step in STEPS[:step_id])
-            last_token[r] = (sync_tokens[step_id][r], position)
+            last_token[r] = (expected[step_id][r], position)
     assert checked == 4  # steps 2, 3, 5 and 6 each have one such row
 
 
-def test_the_relay_off_takes_the_fallbacks_on_the_same_steps_and_agrees(sync_tokens):
+def test_the_relay_off_takes_the_fallbacks_on_the_same_steps_and_agrees(expected):
     with LLM("tiny-llama", async_scheduling=True, async_relay=False, device="cpu-inprocess", **ENGINE) as llm:
-        assert run_steps(llm) == sync_tokens
+        assert run_steps(llm) == expected
