@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from neuron_async_sm.errors import NeuronAsyncSMError
 from neuron_async_sm.values import is_int, is_number
@@ -22,23 +23,40 @@ device and streams (synchronous on a machine without one); `cuda`: the same, req
 
 DTYPES = ("float32", "float64", "bfloat16")
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+"""`mp`: each rank's device process is spawned by this process (multiprocessing). `ray`: each is a Ray
+actor in a placement group (the `ray` extra), on the cluster at RAY_ADDRESS or a local Ray instance."""
+
 
 class ConfigError(NeuronAsyncSMError, ValueError):
     """An invalid engine configuration; the message names the field."""
+
+
+def flag(default: Any, help: str, **argparse_options: Any) -> Any:
+    """A field that is also an engine flag of the command line (`--max-num-seqs` for `max_num_seqs`).
+
+    `help` is the flag's help; `argparse_options` may give `choices`, `metavar`, and `name` for a flag
+    spelt otherwise. Type and default come from the field (`neuron_async_sm/args.py` builds the flags).
+    """
+    return field(default=default, metadata={"help": help, **argparse_options})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything that shapes an engine. Built once, validated in `__post_init__`."""
 
-    model: str = "tiny-llama"
-    device: str = "cpu"
-    dtype: str = "float32"
-    async_scheduling: bool = True
+    model: str = flag("tiny-llama", "'tiny-llama' or a local Hugging Face Llama checkpoint dir")
+    device: str = flag("cpu", "cpu: emulated Neuron device process", choices=DEVICES)
+    dtype: str = flag("float32", "weights, activations and KV cache", choices=DTYPES)
+    async_scheduling: bool = flag(True, "overlap host work with device execution")
     # Async mode: a step whose batch changed builds its input ids on the device from the previous
     # step's sampled-token future by a row map (the Relay path) instead of breaking the async flow.
     # False: the design's CompositionBreak / ShapeMismatchRebuild / ReorderRemap, counter for counter.
-    async_relay: bool = True
+    async_relay: bool = flag(
+        True,
+        "async mode: when the batch changes, build input ids on the device from the previous step's "
+        "sampled tokens instead of breaking the async flow",
+    )
     # Async scheduling feeds the sampled-token future straight into the next program, so the
     # tokens must be sampled inside the program (on device). The design requires it.
     on_device_sampling: bool = True
@@ -46,36 +64,49 @@ class EngineConfig:
     # (every decode bucket and prefill shape), all at start-up. Not consistently faster on this
     # 2-core host for tiny-llama (0.62-1.49x by batch) and minutes to build, so eager is the default
     # (docs/benchmarks.md, "Compiled programs per bucket").
-    enforce_eager: bool = True
-    max_num_seqs: int = 8
+    enforce_eager: bool = flag(
+        True, "run the model op by op; --no-enforce-eager compiles one program per bucket at start-up"
+    )
+    max_num_seqs: int = flag(8, "requests running at once")
     # Positions per request (prompt + output). None: the model's max_position_embeddings, reduced to
     # fit kv_cache_memory_gb. EngineCore resolves it once; every reader after that sees an int.
-    max_model_len: int | None = None
+    max_model_len: int | None = flag(
+        None,
+        "positions per request (default: the model's max_position_embeddings, reduced to fit the KV cache budget)",
+    )
     # The KV cache's memory budget in GiB. None: half the memory available when the engine starts
     # (MemAvailable), leaving the rest to the weights, activations and other processes.
-    kv_cache_memory_gb: float | None = None
-    max_num_batched_tokens: int = 256  # per-step token budget (prefill chunks + decodes)
-    decode_buckets: tuple[int, ...] = (1, 2, 4, 8)  # padded decode batch sizes
-    prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256)  # padded per-row prefill token lengths
-    seed: int = 0  # seeds tiny-llama's weights and the per-request seeds of unseeded requests
-    runtime_queue_depth: int = 32  # in-flight programs before enqueue blocks (Neuron worker default)
-    device_time_ms: float = 0.0  # emulated accelerator: hold each program at least this long
+    kv_cache_memory_gb: float | None = flag(
+        None, "KV cache memory budget in GiB (default: half the memory available at start)"
+    )
+    max_num_batched_tokens: int = flag(256, "token budget")  # per step: prefill chunks + decodes
+    decode_buckets: tuple[int, ...] = flag((1, 2, 4, 8), "e.g. 1,2,4,8")  # padded decode batch sizes
+    # padded per-row prefill token lengths
+    prefill_buckets: tuple[int, ...] = flag((16, 32, 64, 128, 256), "e.g. 16,32,64,128,256")
+    seed: int = flag(0, "tiny-llama weights; seeds of unseeded requests")
+    # unfinished programs on the device before enqueue blocks (Neuron worker default)
+    runtime_queue_depth: int = flag(32, "programs in flight")
+    # emulated accelerator: hold each program at least this long
+    device_time_ms: float = flag(0.0, "emulated program time")
     # A device that completes nothing for this long while work is in flight is hung: killed, every
     # in-flight request ends with DeviceHungError, the engine is dead. 0 disables (waits are unbounded).
-    device_timeout_s: float = 120.0
+    device_timeout_s: float = flag(120.0, "hung if no progress (0: off)")
     # A device not ready this long after it was started (loading the model, warm-up) is killed and
     # start-up fails with DeviceStartupError. 0 disables (start-up may then wait forever).
-    device_startup_timeout_s: float = 600.0
-    device_threads: int = 1  # torch threads inside the emulated device
+    device_startup_timeout_s: float = flag(
+        600.0, "fail if the device is not ready (model loaded, warmed up) within this long (0: off)"
+    )
+    device_threads: int = 1  # torch intra-op threads inside the emulated device process
     # The CPU the emulated device process owns (as an accelerator has its own silicon); the engine's
     # own threads keep off it. None: no pinning. Matters on a busy machine with few cores.
     device_cpu: int | None = None
     stats_log_interval_s: float = 10.0
-    trace_path: str | None = None  # NDJSON trace of machine transitions and materializations
     # Ranks the model is split over (tensor parallelism): one device process each, holding its shard
     # of the weights and of the KV cache. The model's heads, KV heads and intermediate size must divide.
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "mp"  # how the ranks' device processes run: see EXECUTOR_BACKENDS
+    tensor_parallel_size: int = flag(1, "ranks the model is split over, one device process each")
+    distributed_executor_backend: str = flag("mp", "how the ranks' device processes run", choices=EXECUTOR_BACKENDS)
+    # NDJSON trace of machine transitions and materializations
+    trace_path: str | None = flag(None, "write machine transitions", name="--trace", metavar="FILE.ndjson")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decode_buckets", _buckets("decode_buckets", self.decode_buckets))
@@ -157,11 +188,6 @@ def _device_cpu(cpu: object, device: str) -> None:
         raise ConfigError(f"device_cpu: must be a CPU number in [0, {cpus}), got {cpu!r}")
     if cpus < 2:
         raise ConfigError("device_cpu: the host needs a CPU besides the device's; this machine has one")
-
-
-EXECUTOR_BACKENDS = ("mp", "ray")
-"""`mp`: each rank's device process is spawned by this process (multiprocessing). `ray`: each is a Ray
-actor in a placement group (the `ray` extra), on the cluster at RAY_ADDRESS or a local Ray instance."""
 
 
 def _tensor_parallel(config: EngineConfig) -> None:

@@ -14,7 +14,8 @@ import pytest
 from support.processes import generate_argv
 
 from neuron_async_sm import LLM, InvalidRequestError, PromptRequest, SamplingParams
-from neuron_async_sm.cli import main, parse_request_line
+from neuron_async_sm.cli import main
+from neuron_async_sm.generate import parse_request_line
 from neuron_async_sm.model import load_model_config
 
 VOCAB = load_model_config("tiny-llama").vocab_size

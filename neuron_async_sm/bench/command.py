@@ -13,16 +13,13 @@ import importlib.util
 import json
 import math
 import os
-import platform
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
+from neuron_async_sm.args import positive_floats
 from neuron_async_sm.bench import host_cost, peer, sweep
-from neuron_async_sm.bench.runner import Progress, batch_config, compare_modes, load_average
+from neuron_async_sm.bench.report import finite, machine, progress_bar
+from neuron_async_sm.bench.runner import batch_config, compare_modes, load_average
 from neuron_async_sm.bench.serve_command import add_serve_bench_parser
 from neuron_async_sm.bench.workloads import DEFAULT_NUM_REQUESTS, WORKLOADS, build_workload
 from neuron_async_sm.config import ConfigError
@@ -44,16 +41,6 @@ COMPARE_FIELDS = (
     ("TPOT p99 ms", "tpot_ms_p99", "{:.3f}"),
     ("ITL p99 ms", "itl_ms_p99", "{:.3f}"),
 )
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from exc
-    if not values or not all(v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
 
 
 def _positive_int(text: str) -> int:
@@ -122,7 +109,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--sweep",
         nargs="?",
         const=sweep.DEFAULT_RATIOS,
-        type=_floats,
+        type=positive_floats,
         default=None,
         metavar="RATIOS",
         help="D/C sweep at these ratios (default 0.25,0.5,1,2,4)",
@@ -143,32 +130,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_bench)
     sections = p.add_subparsers(dest="bench_command", metavar="{serve}", title="against a server")
     add_serve_bench_parser(sections)  # bench/serve_command.py: `bench serve`
-
-
-def _progress_bar(enabled: bool, total: int, desc: str) -> tuple[Progress, Callable[[], None]]:
-    """(advance-by-one callback, close); a tqdm bar on stderr, or nothing."""
-    if not enabled:
-        return (lambda _line: None), (lambda: None)
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, desc=desc, unit="run", file=sys.stderr, dynamic_ncols=True)
-
-    def advance(line: str) -> None:
-        bar.update(1)
-        bar.set_postfix_str(line)
-
-    return advance, bar.close
-
-
-def machine() -> dict:
-    return {
-        "cpus": os.cpu_count(),
-        "cpu": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "nice": os.nice(0),  # the figures in docs/benchmarks.md ran at -10 on a shared machine
-        "load_avg_start": load_average(),
-    }
 
 
 def _require_dev_extras(args: argparse.Namespace) -> None:
@@ -192,7 +153,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if not args.no_compare:
         report.update(_compare_section(args, show))
     if args.sweep:
-        advance, close = _progress_bar(show, 1 + 2 * (args.repetitions + 1) * (len(args.sweep) + 1), "sweep D/C")
+        advance, close = progress_bar(show, 1 + 2 * (args.repetitions + 1) * (len(args.sweep) + 1), "sweep D/C")
         report["sweep"] = sweep.run_sweep(
             args.sweep,
             batch=args.sweep_batch,
@@ -204,7 +165,7 @@ def run_bench(args: argparse.Namespace) -> int:
         close()
         _print_sweep(report["sweep"])
     if args.host_cost:
-        advance, close = _progress_bar(show, args.repetitions + 3, "host cost")  # rounds: batch, then waiting
+        advance, close = progress_bar(show, args.repetitions + 3, "host cost")  # rounds: batch, then waiting
         quiet = args.max_other_cpu
         report["host_cost_batch"] = host_cost.host_cost_vs_batch(
             progress=advance, engine_options=engine, repetitions=args.repetitions, max_other_cpu=quiet
@@ -221,7 +182,7 @@ def run_bench(args: argparse.Namespace) -> int:
             )
         _print_rows("C per step vs waiting requests (µs)", report["host_cost_waiting"]["rows"], "waiting")
     if args.vs_transformers:
-        advance, close = _progress_bar(show, len(peer.DEFAULT_PEER_BATCHES), "vs transformers")
+        advance, close = progress_bar(show, len(peer.DEFAULT_PEER_BATCHES), "vs transformers")
         report["vs_transformers"] = peer.vs_transformers(
             progress=advance, engine_options=engine, repetitions=args.repetitions, max_other_cpu=args.max_other_cpu
         )
@@ -234,7 +195,7 @@ def run_bench(args: argparse.Namespace) -> int:
     report["machine"]["load_avg_end"] = load_average()
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(_finite(report), indent=2) + "\n", encoding="utf-8")
+        Path(args.json).write_text(json.dumps(finite(report), indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")
     if args.plots:
         from neuron_async_sm.bench.plots import write_plots
@@ -268,7 +229,7 @@ def _compare_section(args: argparse.Namespace, show: bool) -> dict:
         "seed": args.seed,
         "async_relay": args.async_relay,
     }
-    advance, close = _progress_bar(show, 2 * (args.warmup + args.repetitions), f"bench {args.workload}")
+    advance, close = progress_bar(show, 2 * (args.warmup + args.repetitions), f"bench {args.workload}")
     try:
         result = compare_modes(
             args.model,
@@ -383,14 +344,3 @@ def _print_peer(data: dict) -> None:
             f"{r['batch']:6d} {r['ours_tokens_per_s']:8.0f} {r['transformers_tokens_per_s']:8.0f} "
             f"{r['ratio']:6.2f} {r['token_agreement']:6.3f}"
         )
-
-
-def _finite(value: object) -> object:
-    """NaN / inf as null: strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value

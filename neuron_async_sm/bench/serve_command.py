@@ -24,10 +24,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from neuron_async_sm.args import EXIT_FAILED, EXIT_OK, EXIT_USAGE, HelpFormatter, add_engine_args, positive_floats
+from neuron_async_sm.bench.report import finite, machine, progress_bar
 from neuron_async_sm.bench.runner import OtherLoad, load_average
 from neuron_async_sm.bench.serving import LATENCIES, LoadSpec, Target, aggregate, rate_label, run_cells, warm_up
 
-NOT_FORWARDED = ("async_scheduling", "trace", "stats", "no_progress")  # per mode, or no meaning for a server
+NOT_FORWARDED = ("async_scheduling", "trace_path", "stats", "no_progress")  # per mode, or no meaning for a server
 START_TIMEOUT_S = 180.0  # a server that has not answered /health by then failed to start
 STOP_TIMEOUT_S = 30.0  # SIGTERM, then SIGKILL after this long
 
@@ -41,24 +43,21 @@ arrival times; the figures are medians over the repetitions."""
 
 
 def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from neuron_async_sm.bench.command import _floats  # here: command.py imports this module
-    from neuron_async_sm.cli import _add_engine_args, _HelpFormatter
-
     p = sub.add_parser(
         "serve",
         help="serving benchmark: Poisson arrivals at a sweep of rates, async vs sync",
         description=SERVE_BENCH_HELP,
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     known = {a.dest for a in p._actions}
-    _add_engine_args(p)
+    add_engine_args(p)
     engine_flags = [a for a in p._actions if a.dest not in known and a.dest not in NOT_FORWARDED]
     p.set_defaults(async_scheduling=None)  # None: both modes, alternating
     p.add_argument("--base-url", default=None, help="a running server (e.g. http://127.0.0.1:8000) instead of our own")
     p.add_argument("--label", default="server", help="with --base-url: the mode name in the report")
     p.add_argument(
         "--request-rates",
-        type=_floats,
+        type=positive_floats,
         default=(2.0, 4.0, 8.0, math.inf),
         help="requests per second, comma-separated; inf sends all at once",
     )
@@ -197,7 +196,7 @@ def _served_model(base_url: str) -> str:
 def _validate(args: argparse.Namespace) -> None:
     if args.repetitions < 1 or args.warmup_prompts < 0:
         raise ValueError("--repetitions must be >= 1 and --warmup-prompts >= 0")
-    if args.trace or args.stats:
+    if args.trace_path or args.stats:
         raise ValueError("--trace / --stats: not forwarded to the benchmark's servers; run `serve` with them")
     if args.base_url is not None and args.async_scheduling is not None:
         raise ValueError("--async-scheduling / --no-async-scheduling pick our own servers' mode; not with --base-url")
@@ -211,8 +210,6 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    from neuron_async_sm.bench.command import _finite, _progress_bar, machine
-    from neuron_async_sm.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
     from neuron_async_sm.model.config import load_model_config
 
     try:
@@ -250,7 +247,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         else:
             endpoints = [(args.label, args.base_url.rstrip("/"), _served_model(args.base_url), ())]
         cells = args.repetitions * len(args.request_rates) * len(modes)
-        advance, close = _progress_bar(not args.no_progress, cells, "bench serve")
+        advance, close = progress_bar(not args.no_progress, cells, "bench serve")
         try:
             runs = asyncio.run(_drive(endpoints, args, spec, advance))
         finally:
@@ -283,7 +280,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     _print_results(report)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(_finite(report), indent=2) + "\n", encoding="utf-8")
+        Path(args.json).write_text(json.dumps(finite(report), indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")
     if args.plots:
         from neuron_async_sm.bench.plots import write_serve_plot

@@ -46,6 +46,14 @@ class LLM:
         self.engine = EngineCore(EngineConfig(model=model, **config), runtime_factory)  # type: ignore[arg-type]
         self._ids = itertools.count()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig, runtime_factory: RuntimeFactory = create_runtime) -> LLM:
+        """An `LLM` over a config already built (the command line's: `args.engine_config`)."""
+        llm = cls.__new__(cls)
+        llm.engine = EngineCore(config, runtime_factory)
+        llm._ids = itertools.count()
+        return llm
+
     @property
     def config(self) -> EngineConfig:
         """The engine's config as resolved against the model (max_model_len is always an int here)."""

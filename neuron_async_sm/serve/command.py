@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from neuron_async_sm.args import EXIT_OK, EXIT_USAGE, HelpFormatter, add_engine_args, create_output_file, engine_config
+
 SERVE_HELP = """Serve the model over HTTP with the OpenAI API.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (the model's chat template from
@@ -28,16 +30,14 @@ or the port could not be bound (nothing served)."""
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    from neuron_async_sm.cli import _add_engine_args, _HelpFormatter
-
     p = sub.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server (needs the 'serve' extra)",
         description=SERVE_HELP,
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         epilog=SERVE_EXIT_CODES_HELP,
     )
-    _add_engine_args(p, progress=False)
+    add_engine_args(p, progress=False)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--served-model-name", default=None, help="the `model` clients pass (default: --model)")
@@ -60,8 +60,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from neuron_async_sm.cli import EXIT_OK, EXIT_USAGE, _engine_config, check_writable
-
     try:
         from neuron_async_sm.serve.app import Server, ServeSettings, build_app
         from neuron_async_sm.serve.metrics import ServerMetrics
@@ -77,9 +75,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_waiting < 0 or not args.shutdown_timeout_s >= 0 or not 0 <= args.port < 65536:
         print("error: --max-waiting and --shutdown-timeout-s must be >= 0, --port in [0, 65536)", file=sys.stderr)
         return EXIT_USAGE
-    check_writable(args.stats, "--stats")  # before the device starts
+    create_output_file(args.stats, "--stats")  # before the device starts
     tokenizer = ServedTokenizer.load(args.model)
-    llm = LLM(args.model, **_engine_config(args))
+    llm = LLM.from_config(engine_config(args))
     name = args.served_model_name or args.model
     metrics = ServerMetrics(llm, name)
     llm.engine.tracer.subscribe(metrics.on_engine_event)  # step path states, materializations by thread
