@@ -55,12 +55,12 @@ ONE_ROW = {**ENGINE, "max_num_seqs": 1, "decode_buckets": (1,)}
 def compiling_only(shapes: tuple[tuple[int, ...], ...]) -> RuntimeFactory:
     """A ``RuntimeFactory`` (the engine's runtime seam): the engine's runtime, its programs compiled for ``shapes``."""
 
-    def runtime(device: str, programs: StepProgramFactory, **settings) -> DeviceRuntime:
+    def runtime(config: EngineConfig, programs: StepProgramFactory, warmup=()) -> DeviceRuntime:
         assert set(shapes) < set(programs.spec.compile_shapes), "not a narrower start-up than the engine's"
         narrowed = StepProgramFactory(
             replace(programs.spec, compile_shapes=shapes), programs.relay_width, programs.group
         )
-        return create_runtime(device, narrowed, **settings)
+        return create_runtime(config, narrowed, warmup)
 
     return runtime
 

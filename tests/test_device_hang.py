@@ -195,7 +195,7 @@ def test_an_interrupted_step_leaves_the_engine_dead_not_half_stepped(async_sched
 
 
 def test_hung_device_process_releases_a_reader_and_a_blocked_enqueue():
-    rt = create_runtime("cpu", ToyPrograms(), queue_depth=1, device_timeout_s=1.0)
+    rt = create_runtime(EngineConfig(device="cpu", runtime_queue_depth=1, device_timeout_s=1.0), ToyPrograms())
     pid = rt.device_pid  # type: ignore[attr-defined]
     try:
         assert rt.enqueue("add_one", {"x": x4()}, I32).to_host().tolist() == [2, 3, 4, 5]
@@ -222,7 +222,7 @@ def test_hung_device_process_releases_a_reader_and_a_blocked_enqueue():
 
 def test_hung_device_thread_is_abandoned_and_its_waiters_released(tmp_path):
     gate = Gate(tmp_path / "gate")  # a program that never finishes: how a device thread hangs
-    rt = create_runtime("cpu-inprocess", ToyPrograms(), device_timeout_s=0.5)
+    rt = create_runtime(EngineConfig(device="cpu-inprocess", device_timeout_s=0.5), ToyPrograms())
     try:
         stuck = rt.enqueue("gated", {"x": x4(), "gate": gate.tensor}, I32)
         reader, read = in_thread(stuck.to_host)
@@ -239,7 +239,7 @@ def test_hung_local_device_releases_a_blocked_enqueue_and_fails_what_follows(tmp
     """The same watchdog on LocalRuntime (xla, accelerator): here the accelerator backend on this machine's CPU,
     where a program runs inside enqueue, with a program that never returns (the gate stays shut)."""
     gate = Gate(tmp_path / "gate")
-    rt = create_runtime("accelerator", ToyPrograms(), queue_depth=1, device_timeout_s=0.5)
+    rt = create_runtime(EngineConfig(device="accelerator", runtime_queue_depth=1, device_timeout_s=0.5), ToyPrograms())
     try:
         assert rt.enqueue("add_one", {"x": x4()}, I32).to_host().tolist() == [2, 3, 4, 5]
         stuck, issued = in_thread(lambda: rt.enqueue("gated", {"x": x4(), "gate": gate.tensor}, I32))
@@ -268,7 +268,7 @@ def test_hung_local_device_releases_a_blocked_enqueue_and_fails_what_follows(tmp
 
 @pytest.mark.parametrize("device", ["cpu", "cpu-inprocess", "accelerator"])
 def test_idle_or_slow_but_progressing_device_is_not_hung(device):
-    with create_runtime(device, ToyPrograms(), device_timeout_s=0.5) as rt:
+    with create_runtime(EngineConfig(device=device, device_timeout_s=0.5), ToyPrograms()) as rt:
         time.sleep(1.0)  # idle longer than the timeout: silence without work is not a hang
         assert rt.enqueue("add_one", {"x": x4()}, I32).to_host().tolist() == [2, 3, 4, 5]
         seconds = torch.tensor(0.3)

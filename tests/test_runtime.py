@@ -11,6 +11,7 @@ import pytest
 import torch
 from support.toy_programs import Gate, ToyPrograms, in_thread
 
+from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.runtime import (
     DeviceFuture,
     DeviceProgramError,
@@ -28,7 +29,7 @@ WAIT_S = 10.0  # generous bound on anything that should finish "promptly"
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def shared_runtime(request: pytest.FixtureRequest) -> Iterator[DeviceRuntime]:
-    with create_runtime(request.param, ToyPrograms()) as runtime:
+    with create_runtime(EngineConfig(device=request.param), ToyPrograms()) as runtime:
         yield runtime
 
 
@@ -178,7 +179,7 @@ def test_an_encoded_host_tensor_is_an_input_like_the_tensor(rt: DeviceRuntime) -
 
 
 def test_an_encoded_host_tensor_is_an_input_on_a_local_device() -> None:
-    with create_runtime("accelerator", ToyPrograms()) as runtime:
+    with create_runtime(EngineConfig(device="accelerator"), ToyPrograms()) as runtime:
         out = runtime.enqueue("add", {"a": WireTensor.encode(x4()), "b": x4()}, I32).to_host()
         assert out.tolist() == [2, 4, 6, 8]
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from support.toy_programs import Gate, ToyPrograms, in_thread
 
+from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.runtime import (
     DeviceLostError,
     DeviceStartupError,
@@ -30,29 +31,29 @@ def x4() -> torch.Tensor:
 
 def test_unknown_device_is_a_value_error() -> None:
     with pytest.raises(ValueError, match=r"'tpu'.*'cpu'.*'cpu-inprocess'"):
-        create_runtime("tpu", ToyPrograms())
+        create_runtime(EngineConfig(device="tpu"), ToyPrograms())
 
 
 def test_bad_setting_names_the_field() -> None:
-    with pytest.raises(ValueError, match="queue_depth"):
-        create_runtime("cpu-inprocess", ToyPrograms(), queue_depth=0)
+    with pytest.raises(ValueError, match="runtime_queue_depth"):
+        create_runtime(EngineConfig(device="cpu-inprocess", runtime_queue_depth=0), ToyPrograms())
 
 
 @pytest.mark.parametrize("device", BACKENDS)
 def test_factory_failure_surfaces_at_construction(device: str) -> None:
     with pytest.raises(DeviceStartupError, match=r"(?s)FileNotFoundError.*/no/such/model\.safetensors"):
-        create_runtime(device, ToyPrograms(fail_to_build="/no/such/model.safetensors"))
+        create_runtime(EngineConfig(device=device), ToyPrograms(fail_to_build="/no/such/model.safetensors"))
 
 
 def test_unpicklable_factory_is_explained() -> None:
     with pytest.raises(DeviceStartupError, match="picklable"):
-        create_runtime("cpu", lambda: {"add_one": lambda x: x + 1})
+        create_runtime(EngineConfig(device="cpu"), lambda: {"add_one": lambda x: x + 1})
 
 
 @pytest.mark.parametrize("device", BACKENDS)
 def test_full_queue_blocks_enqueue_until_a_program_finishes(device: str, tmp_path: Path) -> None:
     gate = Gate(tmp_path / "gate")
-    with create_runtime(device, ToyPrograms(), queue_depth=2) as rt:
+    with create_runtime(EngineConfig(device=device, runtime_queue_depth=2), ToyPrograms()) as rt:
         held = [rt.enqueue("gated", {"x": x4() * i, "gate": gate.tensor}, I32) for i in (1, 2)]
         third, box = in_thread(lambda: rt.enqueue("add_one", {"x": x4()}, I32))
         third.join(0.3)
@@ -68,7 +69,7 @@ def test_full_queue_blocks_enqueue_until_a_program_finishes(device: str, tmp_pat
 
 @pytest.mark.parametrize("device", BACKENDS)
 def test_device_time_is_measured_inside_the_device_and_honours_device_time_ms(device: str) -> None:
-    with create_runtime(device, ToyPrograms(), device_time_ms=40) as rt:
+    with create_runtime(EngineConfig(device=device, device_time_ms=40), ToyPrograms()) as rt:
         start = time.perf_counter()
         futures = [rt.enqueue("add_one", {"x": x4()}, I32) for _ in range(3)]
         futures[-1].to_host()
@@ -84,7 +85,7 @@ def test_device_time_is_measured_inside_the_device_and_honours_device_time_ms(de
 
 def test_killed_device_process_releases_every_waiter(tmp_path: Path) -> None:
     gate = Gate(tmp_path / "gate")  # never opened
-    with create_runtime("cpu", ToyPrograms(), queue_depth=1) as rt:
+    with create_runtime(EngineConfig(device="cpu", runtime_queue_depth=1), ToyPrograms()) as rt:
         stuck = rt.enqueue("gated", {"x": x4(), "gate": gate.tensor}, I32)
         reader, read = in_thread(stuck.to_host)
         blocked, enqueued = in_thread(lambda: rt.enqueue("add_one", {"x": x4()}, I32))
@@ -104,7 +105,7 @@ def test_killed_device_process_releases_every_waiter(tmp_path: Path) -> None:
 @pytest.mark.parametrize("device", BACKENDS)
 def test_crashed_device_loop_releases_every_waiter(device: str, tmp_path: Path) -> None:
     gate = Gate(tmp_path / "gate")
-    with create_runtime(device, ToyPrograms()) as rt:
+    with create_runtime(EngineConfig(device=device), ToyPrograms()) as rt:
         blocker = rt.enqueue("gated", {"x": x4(), "gate": gate.tensor}, I32)
         rt.enqueue("crash", {"x": blocker}, I32)  # raises SystemExit: takes the device loop down
         behind = rt.enqueue("add_one", {"x": x4()}, I32)
@@ -120,7 +121,7 @@ def test_crashed_device_loop_releases_every_waiter(device: str, tmp_path: Path) 
 @pytest.mark.parametrize("device", BACKENDS)
 def test_close_with_work_in_flight_does_not_hang(device: str, tmp_path: Path) -> None:
     gate = Gate(tmp_path / "gate")
-    rt = create_runtime(device, ToyPrograms(), queue_depth=2)
+    rt = create_runtime(EngineConfig(device=device, runtime_queue_depth=2), ToyPrograms())
     try:
         held = [rt.enqueue("gated", {"x": x4(), "gate": gate.tensor}, I32) for _ in range(2)]
         reader, read = in_thread(held[-1].to_host)
@@ -143,7 +144,7 @@ def test_close_with_work_in_flight_does_not_hang(device: str, tmp_path: Path) ->
 
 @pytest.mark.parametrize("device", BACKENDS)
 def test_device_reports_how_long_it_waited_for_each_program(device: str) -> None:
-    with create_runtime(device, ToyPrograms()) as rt:
+    with create_runtime(EngineConfig(device=device), ToyPrograms()) as rt:
         rt.enqueue("add_one", {"x": x4()}, I32).to_host()
         rt.reset_stats()
         rt.enqueue("add_one", {"x": x4()}, I32).to_host()

@@ -9,7 +9,7 @@ import torch
 from support.toy_programs import ToyPrograms
 
 from neuron_async_sm.config import DEVICES, ConfigError, EngineConfig
-from neuron_async_sm.runtime import RuntimeConfig, TensorSpec, create_runtime
+from neuron_async_sm.runtime import TensorSpec, create_runtime
 from neuron_async_sm.runtime.config import DeviceKind
 from neuron_async_sm.runtime.device_loop import DeviceLoop
 from neuron_async_sm.runtime.messages import (
@@ -56,28 +56,24 @@ def test_tensor_spec_rejects_bad_fields() -> None:
 
 
 @pytest.mark.parametrize(
-    ("setting", "value", "field"),
+    ("field", "value"),
     [
-        ("queue_depth", 0, "runtime_queue_depth"),
-        ("device_time_ms", -1.0, "device_time_ms"),
-        ("num_threads", 0, "device_threads"),
-        ("device_timeout_s", float("nan"), "device_timeout_s"),
-        ("device_cpu", 0, "device_cpu"),  # pinning needs the device process, not a thread
+        ("runtime_queue_depth", 0),
+        ("device_time_ms", -1.0),
+        ("device_threads", 0),
+        ("device_timeout_s", float("nan")),
+        ("device_cpu", 0),  # pinning needs the device process, not a thread
     ],
 )
-def test_create_runtime_rejects_a_bad_setting_naming_the_engine_config_field(setting, value, field) -> None:
+def test_a_bad_runtime_setting_is_rejected_by_engine_config_naming_the_field(field, value) -> None:
     with pytest.raises(ConfigError, match=f"^{field}: "):  # validated by EngineConfig, the one place
-        create_runtime("cpu-inprocess", ToyPrograms(), **{setting: value})
+        EngineConfig(device="cpu-inprocess", **{field: value})
 
 
-def test_runtime_config_is_the_engine_configs_runtime_share() -> None:
+def test_the_runtime_reads_its_settings_from_the_engine_config() -> None:
     assert {kind.value for kind in DeviceKind} == set(DEVICES)
-    engine = EngineConfig(
-        device="cpu-inprocess", runtime_queue_depth=3, device_time_ms=1.5, device_threads=2, device_timeout_s=7.0
-    )
-    assert RuntimeConfig.of(engine) == RuntimeConfig(
-        DeviceKind.THREAD, queue_depth=3, device_time_ms=1.5, num_threads=2, device_cpu=None, device_timeout_s=7.0
-    )
+    with create_runtime(EngineConfig(device="cpu-inprocess", runtime_queue_depth=3), ToyPrograms()) as runtime:
+        assert runtime.runtime_queue_depth == 3
 
 
 class ScriptedChannel:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from support.workloads import drive, random_workload
 
-from neuron_async_sm import LLM
-from neuron_async_sm.runtime import DeviceKind, Program, ProgramFactory, RuntimeConfig, WarmupCall
+from neuron_async_sm import LLM, EngineConfig
+from neuron_async_sm.runtime import Program, ProgramFactory, WarmupCall
 from neuron_async_sm.runtime.accelerator_runtime import AcceleratorOps
 from neuron_async_sm.runtime.local_runtime import LocalRuntime
 from neuron_async_sm.worker.model_runner import RELAY_PAD_PROGRAM
@@ -65,10 +65,9 @@ class SignatureLog:
     calls: list[Signature] = field(default_factory=list)
 
     def __call__(
-        self, device: str, programs: ProgramFactory, *, warmup: Sequence[WarmupCall] = (), **settings
+        self, config: EngineConfig, programs: ProgramFactory, warmup: Sequence[WarmupCall] = ()
     ) -> LocalRuntime:
-        config = RuntimeConfig(device=DeviceKind(device), **settings)  # the engine's settings, already validated
-        assert config.device is DeviceKind.ACCELERATOR, config
+        assert config.device == "accelerator", config
         return LocalRuntime(
             CompilingAcceleratorOps(None), SignatureLoggingPrograms(programs, self.calls), config, warmup
         )

@@ -20,7 +20,6 @@ from neuron_async_sm.model.parallel import TensorParallelGroup
 from neuron_async_sm.runtime import (
     DeviceRuntime,
     ProgramFactory,
-    RuntimeConfig,
     RuntimeFactory,
     WarmupCall,
     create_runtime,
@@ -119,13 +118,12 @@ def _start_ray_ranks(
         host, _ = ray.get(actors[0].describe.remote(), timeout=timeout)
         port = ray.get(actors[0].free_port.remote(), timeout=timeout)  # free on rank 0's node, not ours
         groups = [TensorParallelGroup(rank, size, port, timeout, host=host) for rank in range(size)]
-    runtime_config = RuntimeConfig.of(config)  # device 'cpu' (the process backend): EngineConfig requires it for Ray
 
-    def start(rank: int) -> DeviceRuntime:
+    def start(rank: int) -> DeviceRuntime:  # device 'cpu' (the process backend): EngineConfig requires it for Ray
         channel = RayChannel(
             gang, actors[rank], factory_for(groups[rank]), config.device_time_ms, config.device_threads
         )
-        return HostRuntime(channel, runtime_config)
+        return HostRuntime(channel, config)
 
     try:
         return _together([lambda rank=rank: start(rank) for rank in range(size)])
@@ -138,14 +136,4 @@ def _start_ray_ranks(
 def _start(
     config: EngineConfig, factory: ProgramFactory, warmup: Sequence[WarmupCall], runtime_factory: RuntimeFactory
 ) -> DeviceRuntime:
-    return runtime_factory(
-        config.device,
-        factory,
-        warmup=warmup,  # compiling devices only
-        queue_depth=config.runtime_queue_depth,
-        device_time_ms=config.device_time_ms,
-        num_threads=config.device_threads,
-        device_cpu=config.device_cpu,
-        device_timeout_s=config.device_timeout_s,
-        device_startup_timeout_s=config.device_startup_timeout_s,
-    )
+    return runtime_factory(config, factory, warmup)  # warm-up: compiling devices only

@@ -7,8 +7,8 @@ against and ``create_runtime`` for the emulated backends.
 """
 
 from .api import DeviceFuture, DeviceRuntime, Program, ProgramFactory, RuntimeStats, TensorSpec, WarmupCall
-from .config import DeviceKind, RuntimeConfig, keep_off_cpu
-from .create import RuntimeFactory, create_runtime, create_runtime_from_config
+from .config import DeviceKind, keep_off_cpu
+from .create import RuntimeFactory, create_runtime
 from .errors import DeviceHungError, DeviceLostError, DeviceProgramError, DeviceStartupError
 from .messages import WireTensor
 
@@ -22,13 +22,11 @@ __all__ = [
     "DeviceStartupError",
     "Program",
     "ProgramFactory",
-    "RuntimeConfig",
     "RuntimeFactory",
     "RuntimeStats",
     "TensorSpec",
     "WarmupCall",
     "WireTensor",
     "create_runtime",
-    "create_runtime_from_config",
     "keep_off_cpu",
 ]

@@ -28,8 +28,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from neuron_async_sm.config import EngineConfig
+
 from .api import ProgramFactory, WarmupCall
-from .config import DeviceKind, RuntimeConfig
+from .config import DeviceKind
 from .errors import DeviceStartupError
 from .local_runtime import DeviceOps, LocalRuntime, Ready
 
@@ -100,7 +102,7 @@ class AcceleratorOps(DeviceOps):
 
 
 def create_accelerator_runtime(
-    programs: ProgramFactory, config: RuntimeConfig, warmup: Sequence[WarmupCall]
+    programs: ProgramFactory, config: EngineConfig, warmup: Sequence[WarmupCall]
 ) -> LocalRuntime:
-    require = "cuda" if config.device is DeviceKind.CUDA else None
+    require = "cuda" if DeviceKind(config.device) is DeviceKind.CUDA else None
     return LocalRuntime(AcceleratorOps(require), programs, config, warmup)

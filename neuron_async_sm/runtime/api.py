@@ -144,13 +144,13 @@ class DeviceRuntime(ABC):
     """An in-order device that runs named programs on futures.
 
     ``enqueue`` returns at once; programs run strictly in enqueue order. At most
-    ``queue_depth`` programs are unfinished at a time: past that, ``enqueue``
+    ``runtime_queue_depth`` programs are unfinished at a time: past that, ``enqueue``
     blocks until one finishes (it never drops work).
     """
 
     @property
     @abstractmethod
-    def queue_depth(self) -> int: ...
+    def runtime_queue_depth(self) -> int: ...
 
     @property
     def compiles_per_shape(self) -> bool:

@@ -10,8 +10,10 @@ from collections.abc import Mapping
 
 import torch
 
+from neuron_async_sm.config import EngineConfig
+
 from .api import DeviceFuture, DeviceRuntime, RuntimeStats, TensorSpec
-from .config import RuntimeConfig, keep_off_cpu
+from .config import keep_off_cpu
 from .errors import DeviceHungError, DeviceLostError, DeviceProgramError, DeviceStartupError
 from .host_future import HostFuture
 from .in_flight import InFlight, RuntimeState
@@ -37,6 +39,10 @@ PUSH_MAX_BYTES = 4096
 """Outputs up to this size (a step's sampled token ids) come back with their ProgramDone."""
 
 
+CLOSE_GRACE_S = 1.0
+"""How long close() waits for the device to stop before forcing it down."""
+
+
 class HostRuntime(DeviceRuntime):
     """``DeviceRuntime`` over a ``HostChannel`` to a ``DeviceLoop``.
 
@@ -60,7 +66,7 @@ class HostRuntime(DeviceRuntime):
       stop the receiver from draining the other direction (deadlock).
     """
 
-    def __init__(self, channel: HostChannel, config: RuntimeConfig) -> None:
+    def __init__(self, channel: HostChannel, config: EngineConfig) -> None:
         self._channel = channel
         self._config = config
         self._programs = self._await_ready()
@@ -72,7 +78,7 @@ class HostRuntime(DeviceRuntime):
         self._deferred_releases: deque[int] = deque()
         # Lifecycle, queue slots and the watchdog (in_flight.py); its cv is this runtime's state lock.
         self._flight = InFlight(
-            config.queue_depth, config.device_timeout_s, lambda: len(self._unfinished) + len(self._fetches)
+            config.runtime_queue_depth, config.device_timeout_s, lambda: len(self._unfinished) + len(self._fetches)
         )
         self._state_cv = self._flight.cv
         self._close_started = False  # (state)
@@ -81,7 +87,7 @@ class HostRuntime(DeviceRuntime):
         # (state) seq → its pushed output (None until its ProgramDone arrives) for every pushed
         # program whose output is neither read nor released yet.
         self._pushed: dict[int, WireTensor | None] = {}
-        self._stats = StatsRecorder(config.recent_times_kept)
+        self._stats = StatsRecorder()
         self._receiver = threading.Thread(target=self._receive_loop, name="neuron-device-rx", daemon=True)
         self._receiver.start()
         self._flight.start_watchdog(self._forced_when_hung, self._on_hung)
@@ -119,7 +125,7 @@ class HostRuntime(DeviceRuntime):
                 timer.cancel()
         if isinstance(message, Ready):
             return frozenset(message.programs)
-        self._channel.stop(self._config.close_grace_s)
+        self._channel.stop(CLOSE_GRACE_S)
         if isinstance(message, StartupFailed):
             raise DeviceStartupError(message.error)
         raise DeviceStartupError(f"device sent {message!r} before it was ready")
@@ -127,8 +133,8 @@ class HostRuntime(DeviceRuntime):
     # ---- public API ------------------------------------------------------------------------------
 
     @property
-    def queue_depth(self) -> int:
-        return self._config.queue_depth
+    def runtime_queue_depth(self) -> int:
+        return self._config.runtime_queue_depth
 
     @property
     def programs(self) -> frozenset[str]:
@@ -218,7 +224,7 @@ class HostRuntime(DeviceRuntime):
         self._stats.reset()
 
     def close(self) -> None:
-        self._close(self._config.close_grace_s)
+        self._close(CLOSE_GRACE_S)
 
     def kill(self) -> None:
         """``close()`` that does not wait for the device: it is forced down at once."""

@@ -36,14 +36,14 @@ class InFlight:
     ``busy`` (called under ``cv``) counts the owner's in-flight work: unfinished programs, pending reads.
     """
 
-    def __init__(self, queue_depth: int, device_timeout_s: float, busy: Callable[[], int]) -> None:
+    def __init__(self, runtime_queue_depth: int, device_timeout_s: float, busy: Callable[[], int]) -> None:
         self.cv = threading.Condition()
         self.state = RuntimeState.RUNNING  # (cv)
         self.reason = ""  # (cv) why the runtime stopped accepting work
-        self._queue_depth = queue_depth
+        self._runtime_queue_depth = runtime_queue_depth
         self._timeout_s = device_timeout_s
         self._busy = busy
-        self._slots_in_use = 0  # (cv) unfinished programs, at most queue_depth
+        self._slots_in_use = 0  # (cv) unfinished programs, at most runtime_queue_depth
         # (cv) when the device last showed progress: a completion, or the moment work arrived while
         # nothing was in flight (an idle device's silence is not a hang).
         self._last_progress = time.monotonic()
@@ -83,7 +83,7 @@ class InFlight:
         with self.cv:
             # Bounded in-flight queue: block (never drop) until a program finishes. Every way down
             # notifies all (a full queue is in-flight work, so a hang is among them): cannot hang.
-            while self.state is RuntimeState.RUNNING and self._slots_in_use >= self._queue_depth:
+            while self.state is RuntimeState.RUNNING and self._slots_in_use >= self._runtime_queue_depth:
                 self.cv.wait()
             self.raise_if_down_locked()
             self._slots_in_use += 1

@@ -20,8 +20,9 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm import tqdm
 
+from neuron_async_sm.config import EngineConfig
+
 from .api import DeviceFuture, DeviceRuntime, Program, ProgramFactory, RuntimeStats, TensorSpec, WarmupCall
-from .config import RuntimeConfig
 from .device_loop import FailedValue
 from .errors import DeviceProgramError, DeviceStartupError
 from .host_future import HostFuture
@@ -117,7 +118,7 @@ class LocalRuntime(DeviceRuntime):
     """
 
     def __init__(
-        self, ops: DeviceOps, programs: ProgramFactory, config: RuntimeConfig, warmup: Sequence[WarmupCall] = ()
+        self, ops: DeviceOps, programs: ProgramFactory, config: EngineConfig, warmup: Sequence[WarmupCall] = ()
     ) -> None:
         if config.device_time_ms or config.device_cpu is not None:
             raise ValueError("device_time_ms and device_cpu shape the emulated device only")
@@ -135,12 +136,12 @@ class LocalRuntime(DeviceRuntime):
         # release; dict.pop needs no lock, so a GC'd future's __del__ can free its entry from any thread.
         self._memory: dict[int, _Stored | FailedValue] = {}
         # Lifecycle, queue slots and the watchdog (in_flight.py); its cv is this runtime's state lock.
-        self._flight = InFlight(config.queue_depth, config.device_timeout_s, lambda: len(self._unfinished))
+        self._flight = InFlight(config.runtime_queue_depth, config.device_timeout_s, lambda: len(self._unfinished))
         self._state_cv = self._flight.cv
         self._unfinished: dict[int, threading.Event] = {}  # (state) seq -> set when its output exists
         self._launched_at: dict[int, float] = {}  # (state) seq -> when launch returned
         self._last_done = time.perf_counter()  # (state) when the device last finished a program
-        self._stats = StatsRecorder(config.recent_times_kept)
+        self._stats = StatsRecorder()
         self._compilations_base = ops.compilations()
         self.warmup_report: tuple[WarmupRecord, ...] = self._warm_up(warmup)
         self.reset_stats()  # stats, the compilation count included, start after warm-up
@@ -150,8 +151,8 @@ class LocalRuntime(DeviceRuntime):
     # ---- public API ------------------------------------------------------------------------------
 
     @property
-    def queue_depth(self) -> int:
-        return self._config.queue_depth
+    def runtime_queue_depth(self) -> int:
+        return self._config.runtime_queue_depth
 
     @property
     def compiles_per_shape(self) -> bool:

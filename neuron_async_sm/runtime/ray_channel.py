@@ -41,10 +41,15 @@ class DeviceActor:
             return probe.getsockname()[1]
 
     def serve(
-        self, address: tuple[str, int], authkey: bytes, factory: ProgramFactory, device_time_ms: float, threads: int
+        self,
+        address: tuple[str, int],
+        authkey: bytes,
+        factory: ProgramFactory,
+        device_time_ms: float,
+        device_threads: int,
     ) -> None:
         """Connect to the host and serve its messages until Shutdown or EOF (blocks the actor)."""
-        torch.set_num_threads(threads)
+        torch.set_num_threads(device_threads)
         sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT_S)
         sock.settimeout(None)
         conn = Connection(sock.detach())
@@ -99,7 +104,12 @@ class RayChannel(HostChannel):
     """Host end of the connection to a `DeviceActor` (its `serve` call blocks the actor)."""
 
     def __init__(
-        self, gang: RayGang, actor: ray.actor.ActorHandle, factory: ProgramFactory, device_time_ms: float, threads: int
+        self,
+        gang: RayGang,
+        actor: ray.actor.ActorHandle,
+        factory: ProgramFactory,
+        device_time_ms: float,
+        device_threads: int,
     ) -> None:
         self._gang = gang
         self._actor = actor
@@ -109,7 +119,9 @@ class RayChannel(HostChannel):
         server = socket.create_server(("", 0))
         server.settimeout(CONNECT_TIMEOUT_S)
         host = ray.util.get_node_ip_address()
-        self._done = actor.serve.remote((host, server.getsockname()[1]), authkey, factory, device_time_ms, threads)
+        self._done = actor.serve.remote(
+            (host, server.getsockname()[1]), authkey, factory, device_time_ms, device_threads
+        )
         try:
             sock, _ = server.accept()
         except OSError as exc:

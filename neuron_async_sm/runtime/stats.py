@@ -18,11 +18,15 @@ def graph_compilations() -> int:
     return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 
 
+RECENT_TIMES_KEPT = 1024
+"""Per-program device times (and idle times) kept for the medians."""
+
+
 class StatsRecorder:
     """Counters fed by the receiver thread (program completions) and by callers
     of ``enqueue`` / ``to_host`` (transfers); ``snapshot`` freezes them."""
 
-    def __init__(self, recent_times_kept: int) -> None:
+    def __init__(self, recent_times_kept: int = RECENT_TIMES_KEPT) -> None:
         self._lock = threading.Lock()
         self._recent_times_kept = recent_times_kept
         self._live = 0  # a gauge, not a counter: reset() keeps it

@@ -87,13 +87,13 @@ def _device_process_main(
     conn: multiprocessing.connection.Connection,
     factory: ProgramFactory,
     device_time_ms: float,
-    num_threads: int,
+    device_threads: int,
     device_cpu: int | None,
 ) -> None:
     """Entry point of the device process."""
     # Ctrl-C reaches the whole process group; the host decides when the device stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(num_threads)
+    torch.set_num_threads(device_threads)
     code = 0
     try:
         if device_cpu is not None:
@@ -120,7 +120,7 @@ class ProcessChannel(HostChannel):
     """Device loop in a spawned process (``device="cpu"``): host and device truly overlap."""
 
     def __init__(
-        self, factory: ProgramFactory, device_time_ms: float, num_threads: int, device_cpu: int | None = None
+        self, factory: ProgramFactory, device_time_ms: float, device_threads: int, device_cpu: int | None = None
     ) -> None:
         if getattr(multiprocessing.current_process(), "_inheriting", False):
             # A spawned child still importing the user's script (the flag multiprocessing itself checks
@@ -137,7 +137,7 @@ class ProcessChannel(HostChannel):
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._process = ctx.Process(
             target=_device_process_main,
-            args=(child_conn, factory, device_time_ms, num_threads, device_cpu),
+            args=(child_conn, factory, device_time_ms, device_threads, device_cpu),
             name="neuron-device",
             daemon=True,  # never outlive the host, even if close() is never called
         )

@@ -25,8 +25,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from neuron_async_sm.config import EngineConfig
+
 from .api import ProgramFactory, WarmupCall
-from .config import RuntimeConfig
 from .errors import DeviceStartupError
 from .local_runtime import DeviceOps, LocalRuntime, Ready
 
@@ -71,5 +72,5 @@ class XlaOps(DeviceOps):
         return int(self._metrics.counter_value("UncachedCompile") or 0)
 
 
-def create_xla_runtime(programs: ProgramFactory, config: RuntimeConfig, warmup: Sequence[WarmupCall]) -> LocalRuntime:
+def create_xla_runtime(programs: ProgramFactory, config: EngineConfig, warmup: Sequence[WarmupCall]) -> LocalRuntime:
     return LocalRuntime(XlaOps(), programs, config, warmup)

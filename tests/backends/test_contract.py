@@ -15,6 +15,7 @@ import torch
 from programs import ContractPrograms, heavy_reference
 from support.faulty_runtime import FaultyPrograms, FaultyRuntime
 
+from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.runtime import DeviceLostError, DeviceProgramError, TensorSpec, create_runtime
 
 VEC = TensorSpec((4,), torch.float32)
@@ -46,7 +47,7 @@ def heavy(backend) -> Heavy:
 
 @pytest.fixture
 def runtime(backend):
-    with create_runtime(backend.name, ContractPrograms(), queue_depth=8) as rt:
+    with create_runtime(EngineConfig(device=backend.name, runtime_queue_depth=8), ContractPrograms()) as rt:
         yield rt
 
 
@@ -137,7 +138,9 @@ def test_a_failing_program_fails_its_dependants_and_every_read(runtime):
 def test_an_injected_failure_fails_the_chosen_program_on_the_device(backend):
     """The fault tests' wrapper (tests/support/faulty_runtime.py) works on this backend: the chosen program
     fails as a failing program does here (dependants fail with its root cause), its neighbours run."""
-    with FaultyRuntime(create_runtime(backend.name, FaultyPrograms(ContractPrograms()), queue_depth=8)) as runtime:
+    with FaultyRuntime(
+        create_runtime(EngineConfig(device=backend.name, runtime_queue_depth=8), FaultyPrograms(ContractPrograms()))
+    ) as runtime:
         x = torch.ones(4)
         runtime.inject_failure(after=1)
         before = runtime.enqueue("add_one", {"x": x}, VEC)
@@ -172,7 +175,7 @@ def test_a_float_where_an_integer_was_expected_fails_the_program(runtime):
 
 def test_the_bounded_queue_blocks_instead_of_dropping(backend, heavy):
     depth = 2
-    with create_runtime(backend.name, ContractPrograms(), queue_depth=depth) as runtime:
+    with create_runtime(EngineConfig(device=backend.name, runtime_queue_depth=depth), ContractPrograms()) as runtime:
         run_s = heavy.warm(runtime)
         inputs = [heavy.input(10 + i) for i in range(depth + 1)]
         futures = [runtime.enqueue("heavy", {"x": inputs[i]}, heavy.spec) for i in range(depth)]
@@ -188,7 +191,7 @@ def test_the_bounded_queue_blocks_instead_of_dropping(backend, heavy):
             # A fraction of one program's time: on a fast machine heavy may take well under 50 ms, and
             # the oldest finishing (which frees the slot) is then no longer a bug.
             extra.join(timeout=min(0.05, run_s / 4))
-            assert extra.is_alive(), f"enqueue past queue_depth returned while the queue was full ({run_s=:.3f})"
+            assert extra.is_alive(), f"enqueue past the queue depth returned while the queue was full ({run_s=:.3f})"
         extra.join(timeout=60)
         assert seen == {"oldest done when it returned": True}
         for x, future in zip(inputs, futures, strict=True):  # nothing dropped, nothing mixed up
@@ -203,7 +206,7 @@ def _runtime_threads() -> set[threading.Thread]:
 
 def test_close_with_programs_in_flight_returns_and_leaks_nothing(backend, heavy):
     threads_before = _runtime_threads()
-    runtime = create_runtime(backend.name, ContractPrograms(), queue_depth=8)
+    runtime = create_runtime(EngineConfig(device=backend.name, runtime_queue_depth=8), ContractPrograms())
     heavy.warm(runtime)
     futures = [runtime.enqueue("heavy", {"x": heavy.input(20 + i)}, heavy.spec) for i in range(4)]
     started = time.perf_counter()

@@ -15,7 +15,7 @@ import torch
 from support.workloads import drive, random_workload
 from test_async_scenarios import PATHS, SCENARIOS, relayed, run
 
-from neuron_async_sm import LLM, SamplingParams
+from neuron_async_sm import LLM, EngineConfig, SamplingParams
 from neuron_async_sm.runtime import DeviceRuntime, Program, ProgramFactory, create_runtime
 from neuron_async_sm.worker.model_runner import STEP_PROGRAM
 
@@ -95,9 +95,9 @@ class Int64TokensPrograms:
         return programs
 
 
-def int64_tokens_runtime(device: str, programs: ProgramFactory, **settings) -> DeviceRuntime:
-    """A ``RuntimeFactory`` (the engine's runtime seam): the backend ``device`` over ``Int64TokensPrograms``."""
-    return create_runtime(device, Int64TokensPrograms(programs), **settings)
+def int64_tokens_runtime(config: EngineConfig, programs: ProgramFactory, warmup=()) -> DeviceRuntime:
+    """A ``RuntimeFactory`` (the engine's runtime seam): the backend ``config.device`` over ``Int64TokensPrograms``."""
+    return create_runtime(config, Int64TokensPrograms(programs), warmup)
 
 
 def test_a_future_of_another_dtype_never_stands_in_for_input_ids(backend):

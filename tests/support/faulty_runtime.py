@@ -13,11 +13,12 @@ engine's ``runtime`` is then the ``FaultyRuntime``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.runtime import (
     DeviceFuture,
     DeviceRuntime,
@@ -25,6 +26,7 @@ from neuron_async_sm.runtime import (
     ProgramFactory,
     RuntimeStats,
     TensorSpec,
+    WarmupCall,
     create_runtime,
 )
 
@@ -80,8 +82,8 @@ class FaultyRuntime(DeviceRuntime):
             return future
 
     @property
-    def queue_depth(self) -> int:
-        return self.inner.queue_depth
+    def runtime_queue_depth(self) -> int:
+        return self.inner.runtime_queue_depth
 
     @property
     def compiles_per_shape(self) -> bool:
@@ -105,6 +107,6 @@ class FaultyRuntime(DeviceRuntime):
         return getattr(self.inner, name)  # backend extras: device_pid, warmup_report, ...
 
 
-def faulty_runtime(device: str, programs: ProgramFactory, **settings: object) -> FaultyRuntime:
-    """A ``RuntimeFactory`` (called like ``create_runtime``): the backend ``device`` with fault injection."""
-    return FaultyRuntime(create_runtime(device, FaultyPrograms(programs), **settings))  # type: ignore[arg-type]
+def faulty_runtime(config: EngineConfig, programs: ProgramFactory, warmup: Sequence[WarmupCall] = ()) -> FaultyRuntime:
+    """A ``RuntimeFactory`` (called like ``create_runtime``): the backend ``config.device`` with fault injection."""
+    return FaultyRuntime(create_runtime(config, FaultyPrograms(programs), warmup))
