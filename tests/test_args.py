@@ -53,7 +53,6 @@ def test_flags_reach_the_engine_config_by_field_name():
         decode_buckets=(1, 16), prefill_buckets=(16, 32), seed=3, runtime_queue_depth=4, device_time_ms=1.5,
         device_timeout_s=60.0, device_startup_timeout_s=300.0, tensor_parallel_size=2, trace_path="t.ndjson",
     )  # fmt: skip
-    assert {f.name for f in engine_fields()} - set(expected) == {"enforce_eager", "distributed_executor_backend"}
     with pytest.raises(ConfigError, match="device='cpu'"):  # two ranks need the device process: validated
         engine_config(args)
     args.device = "cpu"
