@@ -1,8 +1,10 @@
-"""The package's imports run one way: no import cycle, and nothing imports the command line's entry.
+"""The package's imports run one way: downwards through the layers of docs/design.md, no import
+cycle, and nothing imports the command line's entry.
 
 Every import counts, at module level or inside a function (a cycle hidden in a function is still a
-cycle: the modules cannot be understood, or moved, one without the other). The same check runs as
-`python3 ../shared/tools/import-cycles neuron_async_sm` where the shared tools sit beside the clone.
+cycle: the modules cannot be understood, or moved, one without the other). The cycle and CLI checks
+also run as `python3 ../shared/tools/import-cycles neuron_async_sm` where the shared tools sit
+beside the clone.
 """
 
 from __future__ import annotations
@@ -13,11 +15,32 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "neuron_async_sm"
 CLI = "neuron_async_sm.cli"
 
-KNOWN_CYCLES: set[frozenset[str]] = {
-    # StepSnapshot / AsyncModelRunnerOutput in the hook signatures; issue 26 item 2 moves them. Delete this
-    # entry when that lands: this list only ever shrinks.
-    frozenset({"neuron_async_sm.trace", "neuron_async_sm.worker.async_output"}),
-}
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # Top first: a module imports from its own layer and those below it. A package name covers its
+    # modules; the package itself (`neuron_async_sm/__init__.py`, the public API) is "neuron_async_sm".
+    ("neuron_async_sm.cli", "neuron_async_sm.__main__"),
+    (
+        "neuron_async_sm",
+        "neuron_async_sm.generate",
+        "neuron_async_sm.diagram_command",
+        "neuron_async_sm.results_file",
+        "neuron_async_sm.serve",
+        "neuron_async_sm.bench",
+        "neuron_async_sm.vllm_plugin",  # an adapter over the engine and the worker, like serve
+    ),
+    ("neuron_async_sm.args",),
+    ("neuron_async_sm.engine",),
+    ("neuron_async_sm.worker", "neuron_async_sm.scheduler"),
+    ("neuron_async_sm.outputs", "neuron_async_sm.request", "neuron_async_sm.sampling_params", "neuron_async_sm.trace"),
+    ("neuron_async_sm.runtime", "neuron_async_sm.model"),
+    ("neuron_async_sm.config",),
+    ("neuron_async_sm.errors", "neuron_async_sm.values"),
+)
+
+# StepSnapshot / AsyncModelRunnerOutput in the trace's hook signatures; issue 26 item 2 moves them.
+# Delete these entries when that lands: the lists only ever shrink.
+KNOWN_CYCLES: set[frozenset[str]] = {frozenset({"neuron_async_sm.trace", "neuron_async_sm.worker.async_output"})}
+KNOWN_UPWARD: set[tuple[str, str]] = {("neuron_async_sm.trace", "neuron_async_sm.worker.async_output")}
 
 
 def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
@@ -92,6 +115,15 @@ def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
     return found
 
 
+def layer_of(module: str) -> int | None:
+    """The index of `module`'s layer in LAYERS (0 is the top); None when no layer names it."""
+    for depth, names in enumerate(LAYERS):
+        for name in names:
+            if module == name or (name != "neuron_async_sm" and module.startswith(name + ".")):
+                return depth
+    return None
+
+
 def test_the_graph_sees_imports_inside_functions_and_relative_ones():
     graph = import_graph()
     assert "neuron_async_sm.args" in graph[CLI]  # module level, absolute
@@ -113,3 +145,17 @@ def test_nothing_in_the_package_imports_the_cli():
     graph = import_graph()
     users = sorted(name for name, imported in graph.items() if CLI in imported and not name.endswith("__main__"))
     assert users == [], f"{CLI} only registers subcommands; the shared pieces live in neuron_async_sm/args.py"
+
+
+def test_every_module_has_a_layer():
+    assert sorted(m for m in import_graph() if layer_of(m) is None) == [], "add it to LAYERS (and docs/design.md)"
+
+
+def test_imports_go_down_the_layers():
+    upward = sorted(
+        (name, target)
+        for name, imported in import_graph().items()
+        for target in imported
+        if (layer_of(name) or 0) > (layer_of(target) or 0) and (name, target) not in KNOWN_UPWARD
+    )
+    assert upward == [], "a lower layer imports a higher one: move what it needs down"
