@@ -10,8 +10,8 @@ from support.toy_programs import ToyPrograms
 
 from neuron_async_sm.config import DEVICES, ConfigError, EngineConfig
 from neuron_async_sm.runtime import TensorSpec, create_runtime
-from neuron_async_sm.runtime.config import DeviceKind
 from neuron_async_sm.runtime.device_loop import DeviceLoop
+from neuron_async_sm.runtime.devices import DeviceKind
 from neuron_async_sm.runtime.messages import (
     DeviceMessage,
     Fetch,

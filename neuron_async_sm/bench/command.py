@@ -24,7 +24,7 @@ from neuron_async_sm.bench.serve_command import add_serve_bench_parser
 from neuron_async_sm.bench.workloads import DEFAULT_NUM_REQUESTS, WORKLOADS, build_workload
 from neuron_async_sm.config import ConfigError
 from neuron_async_sm.model.config import load_model_config
-from neuron_async_sm.runtime.config import DeviceKind
+from neuron_async_sm.runtime.devices import DeviceKind
 
 DEVICES = tuple(kind.value for kind in DeviceKind)
 

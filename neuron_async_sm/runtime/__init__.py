@@ -7,8 +7,8 @@ against and ``create_runtime`` for the emulated backends.
 """
 
 from .api import DeviceFuture, DeviceRuntime, Program, ProgramFactory, RuntimeStats, TensorSpec, WarmupCall
-from .config import DeviceKind, keep_off_cpu
 from .create import RuntimeFactory, create_runtime
+from .devices import DeviceKind, keep_off_cpu
 from .errors import DeviceHungError, DeviceLostError, DeviceProgramError, DeviceStartupError
 from .messages import WireTensor
 

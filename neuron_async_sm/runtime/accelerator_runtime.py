@@ -31,7 +31,7 @@ import torch
 from neuron_async_sm.config import EngineConfig
 
 from .api import ProgramFactory, WarmupCall
-from .config import DeviceKind
+from .devices import DeviceKind
 from .errors import DeviceStartupError
 from .local_runtime import DeviceOps, LocalRuntime, Ready
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from neuron_async_sm.config import EngineConfig
 
 from .api import DeviceRuntime, ProgramFactory, WarmupCall
-from .config import DeviceKind
+from .devices import DeviceKind
 from .host_runtime import HostRuntime
 from .transport import HostChannel, ProcessChannel, ThreadChannel
 

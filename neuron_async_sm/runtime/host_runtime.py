@@ -13,7 +13,7 @@ import torch
 from neuron_async_sm.config import EngineConfig
 
 from .api import DeviceFuture, DeviceRuntime, RuntimeStats, TensorSpec
-from .config import keep_off_cpu
+from .devices import keep_off_cpu
 from .errors import DeviceHungError, DeviceLostError, DeviceProgramError, DeviceStartupError
 from .host_future import HostFuture
 from .in_flight import InFlight, RuntimeState
