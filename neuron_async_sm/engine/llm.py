@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.engine.core import EngineCore
+from neuron_async_sm.model import tokenizer_path
 from neuron_async_sm.outputs import RequestDelta, RequestOutput
 from neuron_async_sm.runtime import RuntimeFactory, create_runtime
 from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
@@ -40,11 +41,15 @@ class LLM:
     Keyword arguments are EngineConfig fields, and ``runtime_factory`` (the engine's runtime seam, see
     ``EngineCore``: tests pass one that wraps the backend). One invalid request never takes down the others:
     `generate()` returns it with finish_reason "error" and a message naming the field.
+
+    A prompt is token ids, or text (as in vLLM, `generate("some text")` is one prompt) encoded with the
+    model directory's tokenizer.json.
     """
 
     def __init__(self, model: str = "tiny-llama", runtime_factory: RuntimeFactory = create_runtime, **config: object):
         self.engine = EngineCore(EngineConfig(model=model, **config), runtime_factory)  # type: ignore[arg-type]
         self._ids = itertools.count()
+        self._tokenizer: object | None = None  # loaded at the first text prompt
 
     @classmethod
     def from_config(cls, config: EngineConfig, runtime_factory: RuntimeFactory = create_runtime) -> LLM:
@@ -126,10 +131,12 @@ class LLM:
 
     def stream(
         self,
-        requests: Sequence[PromptRequest | list[int]],
+        requests: str | Sequence[PromptRequest | list[int] | str],
         sampling_params: SamplingParams | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield per-step deltas (new tokens of one request; `finished` on its last) as steps finish."""
+        if isinstance(requests, str):
+            requests = [requests]
         normalized = [self._as_request(r, sampling_params, i) for i, r in enumerate(requests)]
         prompts = {r.request_id: r.prompt_token_ids for r in normalized}
         for turn in self.turns(normalized):
@@ -140,7 +147,7 @@ class LLM:
 
     def generate(
         self,
-        requests: Sequence[PromptRequest | list[int]],
+        requests: str | Sequence[PromptRequest | list[int] | str],
         sampling_params: SamplingParams | None = None,
         *,
         use_tqdm: bool = False,
@@ -151,6 +158,8 @@ class LLM:
         `on_finish(output)` is called the moment each request finishes (completion order), e.g. to
         make its result durable before the others end; a request rejected up front counts too.
         """
+        if isinstance(requests, str):
+            requests = [requests]  # one text prompt, not a list of characters
         normalized = [self._as_request(r, sampling_params, i) for i, r in enumerate(requests)]
         results: dict[str, RequestOutput] = {}
         rejected: dict[int, RequestOutput] = {}
@@ -195,15 +204,28 @@ class LLM:
         return [rejected.get(i) or results[r.request_id] for i, r in enumerate(normalized)]
 
     def _as_request(
-        self, request: PromptRequest | list[int], params: SamplingParams | None, index: int
+        self, request: PromptRequest | list[int] | str, params: SamplingParams | None, index: int
     ) -> PromptRequest:
-        if not isinstance(request, PromptRequest):
+        if isinstance(request, str):
+            request = PromptRequest(self.encode(request), params or SamplingParams())
+        elif not isinstance(request, PromptRequest):
             request = PromptRequest(list(request), params or SamplingParams())
         if request.request_id is None:
             request = PromptRequest(
                 request.prompt_token_ids, request.sampling_params, f"req-{next(self._ids)}", request.arrival_step
             )
         return request
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> token ids with the model's tokenizer.json (special tokens added, as a prompt gets them)."""
+        if self._tokenizer is None:
+            path = tokenizer_path(self.config.model)
+            if path is None:
+                raise InvalidRequestError(f"prompt: text prompts need a tokenizer.json in {self.config.model}")
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(path)
+        return self._tokenizer.encode(text).ids  # type: ignore[attr-defined]
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
