@@ -299,20 +299,20 @@ def test_32_concurrent_streams_with_random_disconnects_leave_nothing_behind(serv
         return server.metric(name, **labels) - before.get(key, 0.0)
 
     def settled() -> bool:
-        ended = sum(delta("neuron_async_sm_request_success_total", finished_reason=r) for r in ("length", "abort"))
+        ended = sum(delta("vllm:request_success_total", finished_reason=r) for r in ("length", "abort"))
         return (
             ended == CONCURRENT
-            and server.metric("neuron_async_sm_num_requests_running") == 0
-            and server.metric("neuron_async_sm_num_requests_waiting") == 0
+            and server.metric("vllm:num_requests_running") == 0
+            and server.metric("vllm:num_requests_waiting") == 0
         )
 
     server.wait_for(settled, "every request finished or aborted")
     left = sum(reason == "left" for _, reason in results)
-    assert left >= 8 and delta("neuron_async_sm_request_success_total", finished_reason="abort") >= 1
-    assert delta("neuron_async_sm_request_success_total", finished_reason="error") == 0
+    assert left >= 8 and delta("vllm:request_success_total", finished_reason="abort") >= 1
+    assert delta("vllm:request_success_total", finished_reason="error") == 0
     assert server.metric("neuron_async_sm_kv_slots_free") == ENGINE["max_num_seqs"], "a KV slot leaked"
-    assert delta("neuron_async_sm_prompt_tokens_total") == sum(len(p["prompt"]) for p in plans)
-    assert delta("neuron_async_sm_time_to_first_token_seconds_count") >= CONCURRENT - left
+    assert delta("vllm:prompt_tokens_total") == sum(len(p["prompt"]) for p in plans)
+    assert delta("vllm:time_to_first_token_seconds_count") >= CONCURRENT - left
     assert server.metric("neuron_async_sm_steps_total", state="Steady") > 0
     assert server.metric("neuron_async_sm_materializations_total", thread="async-output") > 0
     # the server still answers
@@ -320,3 +320,35 @@ def test_32_concurrent_streams_with_random_disconnects_leave_nothing_behind(serv
     out = server.client().completions.create(model=server.model, prompt="w5 w6", max_tokens=3, temperature=0.0)
     assert out.choices[0].finish_reason in ("stop", "length") and time.monotonic() - started < 30
     print("\n" + server.get("/metrics")[1].decode())  # the scrape after the concurrency test (pytest -s)
+
+
+def test_metrics_carry_vllms_names_and_the_model_name(server):
+    out = server.client().completions.create(model=server.model, prompt="w5 w6", max_tokens=3, temperature=0.0)
+    assert out.choices
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, body = server.get("/metrics")
+    families = list(text_string_to_metric_families(body.decode()))
+    named = {s.name for f in families for s in f.samples if s.labels.get("model_name") == server.model}
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_queue_time_seconds_bucket",
+        "vllm:request_prefill_time_seconds_bucket",
+        "vllm:request_decode_time_seconds_bucket",
+        "vllm:request_inference_time_seconds_bucket",
+        "vllm:request_prompt_tokens_bucket",
+        "vllm:request_generation_tokens_bucket",
+    ):
+        assert name in named, name
+    assert "process_resident_memory_bytes" in {s.name for f in families for s in f.samples}
+    for name in ("queue_time", "prefill_time", "decode_time", "inference_time"):
+        assert server.metric(f"vllm:request_{name}_seconds_count") >= 1, name
+    assert server.metric("vllm:request_generation_tokens_sum") >= 3

@@ -41,7 +41,7 @@ def chat(client: openai.OpenAI, model: str) -> None:
 
 @pytest.mark.parametrize("call", [completion, chat], ids=["completions", "chat"])
 def test_a_client_that_leaves_a_non_streaming_request_gets_it_aborted_at_once(server, call):
-    ended = ("neuron_async_sm_request_success_total", "finished_reason")
+    ended = ("vllm:request_success_total", "finished_reason")
     before = server.metrics()
 
     def delta(name: str, **labels: str) -> float:
@@ -60,10 +60,10 @@ def test_a_client_that_leaves_a_non_streaming_request_gets_it_aborted_at_once(se
 
     server.wait_for(settled, "the request to finish", timeout_s=30)
     waited = time.monotonic() - left
-    assert delta("neuron_async_sm_prompt_tokens_total") > 0, "the request never reached the engine"
-    generated = delta("neuron_async_sm_generation_tokens_total")
+    assert delta("vllm:prompt_tokens_total") > 0, "the request never reached the engine"
+    generated = delta("vllm:generation_tokens_total")
     print(f"{call.__name__}: ended {waited:.2f} s after the client left, {generated:.0f} tokens generated")
     assert finished("abort") == 1 and finished("length") == 0, server.metrics()
     assert generated < MAX_TOKENS / 2, f"{generated} tokens generated for a client that had left"
-    server.wait_for(lambda: server.metric("neuron_async_sm_num_requests_running") == 0, "the slot to be given back")
+    server.wait_for(lambda: server.metric("vllm:num_requests_running") == 0, "the slot to be given back")
     assert server.metric("neuron_async_sm_kv_slots_free") == MAX_NUM_SEQS

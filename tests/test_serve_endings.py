@@ -23,7 +23,7 @@ from neuron_async_sm.worker.async_machine import ASYNC_STATES, PATH_STATES
 LONG = dict(max_tokens=100, temperature=0.0, extra_body={"ignore_eos": True})  # ~2.5 s of 25 ms programs
 MAX_MODEL_LEN = 128
 SLOW = ["--device-time-ms", "25", "--max-model-len", str(MAX_MODEL_LEN)]
-SUCCESS = "neuron_async_sm_request_success_total"
+SUCCESS = "vllm:request_success_total"
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_a_stop_string_ends_the_engine_request_as_stop_not_abort(server):
 
         server.wait_for(settled, "the request to end in the engine")
         assert ended == {"stop": 1, "length": 0, "abort": 0, "error": 0}, (stream, ended)
-        generated = delta("neuron_async_sm_generation_tokens_total")
+        generated = delta("vllm:generation_tokens_total")
         print(f"stop string, stream={stream}: the engine generated {generated:.0f} tokens")
         assert generated < LONG["max_tokens"] / 2, stream
 
@@ -83,12 +83,12 @@ def test_finished_requests_feed_every_histogram_and_token_counter_exactly(server
         assert out.usage.completion_tokens == max_tokens
     server.wait_for(lambda: delta(SUCCESS, finished_reason="length") == len(plans), "every request to finish")
     tokens = sum(m for _, m in plans)
-    assert delta("neuron_async_sm_prompt_tokens_total") == sum(len(p) for p, _ in plans)
-    assert delta("neuron_async_sm_generation_tokens_total") == tokens
-    assert delta("neuron_async_sm_time_to_first_token_seconds_count") == len(plans)
-    assert delta("neuron_async_sm_inter_token_latency_seconds_count") == tokens - len(plans)
-    assert delta("neuron_async_sm_e2e_request_latency_seconds_count") == len(plans)
-    assert delta("neuron_async_sm_e2e_request_latency_seconds_sum") > 0
+    assert delta("vllm:prompt_tokens_total") == sum(len(p) for p, _ in plans)
+    assert delta("vllm:generation_tokens_total") == tokens
+    assert delta("vllm:time_to_first_token_seconds_count") == len(plans)
+    assert delta("vllm:inter_token_latency_seconds_count") == tokens - len(plans)
+    assert delta("vllm:e2e_request_latency_seconds_count") == len(plans)
+    assert delta("vllm:e2e_request_latency_seconds_sum") > 0
     # Every step was counted by its path, and each output brought to the host once.
     steps = {state: server.metric("neuron_async_sm_steps_total", state=state) for state in PATH_STATES}
     total = sum(steps.values())
@@ -140,7 +140,7 @@ def test_a_non_streaming_request_open_at_the_shutdown_deadline_gets_503_abort(mo
     server = ServerProcess(tmp_path, model, "--device", "cpu-inprocess", "--shutdown-timeout-s", "0.5", *SLOW)
     try:
         request = OpenRequest(server)
-        server.wait_for(lambda: server.metric("neuron_async_sm_num_requests_running") == 1, "the request to run")
+        server.wait_for(lambda: server.metric("vllm:num_requests_running") == 1, "the request to run")
         server.proc.send_signal(signal.SIGTERM)
         error = request.finish()
         assert error.status_code == 503 and error.body["code"] == "abort", error.body
@@ -154,7 +154,7 @@ def test_a_non_streaming_request_open_when_the_device_dies_gets_500_and_later_on
     server = ServerProcess(tmp_path, model, "--device", "cpu", "--device-timeout-s", "5", *SLOW)
     try:
         request = OpenRequest(server)
-        server.wait_for(lambda: server.metric("neuron_async_sm_num_requests_running") == 1, "the request to run")
+        server.wait_for(lambda: server.metric("vllm:num_requests_running") == 1, "the request to run")
         os.kill(device_pid(server.proc.pid), signal.SIGKILL)
         error = request.finish()
         assert error.status_code == 500 and error.body["code"] == "engine_error", error.body

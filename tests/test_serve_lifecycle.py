@@ -79,10 +79,7 @@ def test_more_waiting_than_max_waiting_get_503_at_once_and_sigterm_drains_then_e
 def more_waiting_than_max_waiting_get_503_at_once(server: ServerProcess) -> None:
     streams = [OpenStream(server, [5 + i, 6, 7], **LONG) for i in range(4)]
     server.wait_for(
-        lambda: (
-            server.metric("neuron_async_sm_num_requests_running") == 2
-            and server.metric("neuron_async_sm_num_requests_waiting") == 2
-        ),
+        lambda: server.metric("vllm:num_requests_running") == 2 and server.metric("vllm:num_requests_waiting") == 2,
         "2 running, 2 waiting",
     )
     started = time.monotonic()
@@ -94,10 +91,7 @@ def more_waiting_than_max_waiting_get_503_at_once(server: ServerProcess) -> None
     for stream in streams:
         stream.stream.close()  # every client leaves: their requests are aborted, slots come back
     server.wait_for(
-        lambda: (
-            server.metric("neuron_async_sm_kv_slots_free") == 2
-            and server.metric("neuron_async_sm_num_requests_waiting") == 0
-        ),
+        lambda: server.metric("neuron_async_sm_kv_slots_free") == 2 and server.metric("vllm:num_requests_waiting") == 0,
         "slots back",
     )
     assert server.client().completions.create(model="tiny-llama", prompt=[9, 9], max_tokens=2).choices
@@ -151,6 +145,6 @@ def test_a_dead_device_ends_every_open_stream_with_an_error_and_health_turns_503
         with pytest.raises(openai.APIStatusError) as info:
             server.client().completions.create(model="tiny-llama", prompt=[5], max_tokens=2)
         assert info.value.status_code == 503 and info.value.body["code"] == "engine_dead"
-        assert server.metric("neuron_async_sm_request_success_total", finished_reason="error") == 3
+        assert server.metric("vllm:request_success_total", finished_reason="error") == 3
     finally:
         assert server.terminate() == 0, server.log()

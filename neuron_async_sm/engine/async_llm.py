@@ -78,6 +78,7 @@ class EngineTurn:
     accepted: list[str]  # adds the scheduler took this turn
     rejected: dict[str, str]  # request id -> InvalidRequestError message (names the field)
     arrivals: dict[str, tuple[int, float]]  # accepted id -> (prompt tokens, arrival_s)
+    scheduled: dict[str, float]  # id -> time.monotonic() before the step that first scheduled it (left the queue)
     deltas: list[RequestDelta]  # the step's deltas and the aborts' finishing deltas, in order
     now_s: float  # time.monotonic() when the turn's deltas were known
     stats: EngineStats
@@ -268,6 +269,7 @@ class AsyncLLM:
             accepted: list[str] = []
             rejected: dict[str, str] = {}
             arrivals: dict[str, tuple[int, float]] = {}
+            scheduled: dict[str, float] = {}
             deltas: list[RequestDelta] = []
             try:
                 for command in self._take_commands(block=not llm.has_unfinished_requests()):
@@ -290,14 +292,20 @@ class AsyncLLM:
                 if stopping:
                     deltas.extend(d for rid in self._unfinished_ids() if (d := llm.abort(rid)) is not None)
                 elif llm.has_unfinished_requests():
+                    waiting = llm.engine.scheduler.waiting
+                    queued = {r.request_id for r in waiting} if waiting else ()
+                    before_s = time.monotonic()
                     deltas.extend(llm.step())  # a device failure comes back as "error" deltas
+                    if queued:
+                        scheduled = dict.fromkeys(queued - {r.request_id for r in waiting}, before_s)
                 dead_reason = llm.engine.dead_reason
             except Exception as exc:  # a bug or a dead engine: never leave the loop side waiting
                 logger.exception("engine thread failed")
                 dead_reason = llm.engine.dead_reason or f"{type(exc).__name__}: {exc}"
-            if accepted or rejected or deltas or dead_reason is not None or stopping:
+            if accepted or rejected or scheduled or deltas or dead_reason is not None or stopping:
+                now_s = time.monotonic()
                 self._post(
-                    EngineTurn(accepted, rejected, arrivals, deltas, time.monotonic(), self._stats(), dead_reason)
+                    EngineTurn(accepted, rejected, arrivals, scheduled, deltas, now_s, self._stats(), dead_reason)
                 )
         if self.owns_llm:
             try:
