@@ -51,7 +51,7 @@ SAMPLED = dict(temperature=0.8, top_p=0.95, seed=7)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    return str(write_text_model(tmp_path_factory.mktemp("model")))
+    return str(write_text_model(tmp_path_factory.mktemp("model"), chat_template="jinja"))
 
 
 @pytest.fixture(scope="module")
@@ -200,8 +200,10 @@ def _error(exc: openai.APIStatusError) -> dict:
         (dict(prompt="w5", max_tokens=200), "max_tokens"),  # prompt + max_tokens over max_model_len
         (dict(prompt=[5, 64]), "prompt"),  # a token id outside the vocabulary (the scheduler's check)
         (dict(prompt="w5", logprobs=2), "logprobs"),
-        (dict(prompt=[[5], [6]]), "prompt"),  # a batch of prompts: refused as one, by name
-        (dict(prompt=["w5", "w6"]), "prompt"),
+        (dict(prompt="w5", echo=True), "echo"),
+        (dict(prompt="w5", extra_body={"top_k": -2}), "top_k"),  # -1 is off (vLLM's), below is an error
+        (dict(prompt=[[5], [5, 64]]), "prompt"),  # one bad prompt of a batch refuses the batch
+        (dict(prompt=[]), "prompt"),
     ],
 )
 def test_bad_requests_get_a_400_naming_the_field(server, kwargs, param):
@@ -211,10 +213,25 @@ def test_bad_requests_get_a_400_naming_the_field(server, kwargs, param):
     error = _error(info.value)
     assert info.value.status_code == 400 and error["type"] == "invalid_request_error"
     assert error["param"] == param, error
-    if isinstance(kwargs["prompt"], list) and isinstance(kwargs["prompt"][0], (list, str)):
-        assert "a batch of prompts is not supported" in error["message"], error
     # Counted once, whichever layer refused it (the route's checks, validation, the engine).
     assert server.metric("neuron_async_sm_requests_rejected_total", reason="invalid") == rejected + 1
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        # JSON can carry a lone surrogate (curl sends these bytes as they are); the openai client cannot.
+        (b'{"model": "%s", "prompt": "w5 \\ud800"}', "prompt"),
+        (b'{"model": "%s", "prompt": "w5", "stop": ["\\udfff"]}', "stop"),
+        (b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800 w5"}]}', "messages"),
+    ],
+)
+def test_a_lone_surrogate_gets_a_json_400_naming_the_field(server, body, param):
+    path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    status, answer = server.request("POST", path, body % server.model.encode())
+    assert status == 400, answer
+    error = json.loads(answer)["error"]
+    assert error["param"] == param and "lone surrogate" in error["message"], error
 
 
 def test_malformed_json_wrong_model_and_no_chat_template(server, tmp_path):
@@ -320,6 +337,114 @@ def test_32_concurrent_streams_with_random_disconnects_leave_nothing_behind(serv
     out = server.client().completions.create(model=server.model, prompt="w5 w6", max_tokens=3, temperature=0.0)
     assert out.choices[0].finish_reason in ("stop", "length") and time.monotonic() - started < 30
     print("\n" + server.get("/metrics")[1].decode())  # the scrape after the concurrency test (pytest -s)
+
+
+# -- the clients people point at a vLLM server ------------------------------------------------------
+
+
+def test_a_batch_of_prompts_gets_one_choice_per_prompt_in_order(server, offline, tokenizer):
+    client = server.client()
+    texts = ["w5 w9 w17", "w30", "w7 w8 w9 w10 w11"]
+    ids = [tokenizer.encode(t).ids for t in texts]
+    expected = [reference(offline, p, max_tokens=6, ignore_eos=True, **SAMPLED) for p in ids]
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    for prompt in (texts, ids):
+        out = client.completions.create(model=server.model, prompt=prompt, max_tokens=6, extra_body=extra, **SAMPLED)
+        assert [c.index for c in out.choices] == [0, 1, 2]
+        assert [c.token_ids for c in out.choices] == expected
+        assert out.usage.prompt_tokens == sum(map(len, ids)) and out.usage.completion_tokens == 18
+        chunks = list(
+            client.completions.create(
+                model=server.model, prompt=prompt, max_tokens=6, stream=True, extra_body=extra, **SAMPLED
+            )
+        )
+        streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        for chunk in chunks:
+            for choice in chunk.choices:
+                streamed[choice.index].extend(choice.token_ids)
+        assert [streamed[i] for i in range(3)] == expected
+
+
+def test_lm_eval_local_completions_bodies(server, offline, tokenizer):
+    """The bodies lm-eval's `local-completions` sends with its defaults (tokenized_requests=True, batch 1):
+    lm_eval/models/openai_completions.py, LocalCompletionsAPI._create_payload (generate=True), and
+    lm_eval/utils.py, RemoteTokenizer / check_remote_tokenizer_support (/tokenizer_info, /tokenize)."""
+    ids = tokenizer.encode(words(4, 8, 15, 16)).ids
+    expected = reference(offline, ids, max_tokens=8, temperature=0.0)
+    stop_word = tokenizer.decode([expected[3]])
+    body = {"prompt": [ids], "model": server.model, "max_tokens": 8, "temperature": 0, "stop": [stop_word, "</s>"]}
+    status, out = server.post("/v1/completions", {**body, "seed": 1234})
+    assert status == 200, out
+    [choice] = out["choices"]
+    cut = expected.index(expected[3])
+    assert choice["index"] == 0 and choice["finish_reason"] == "stop", out
+    assert choice["text"] == tokenizer.decode(expected[:cut]) + (" " if cut else "")
+
+    info = server.get_json("/tokenizer_info")
+    assert info["eos_token"] == "</s>" and info["bos_token"] == "<s>" and "{{ bos_token }}" in info["chat_template"]
+    _, answer = server.post("/tokenize", {"prompt": "test w5", "add_special_tokens": False})
+    assert answer["tokens"] == tokenizer.encode("test w5", add_special_tokens=False).ids
+    assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] == ENGINE["max_model_len"]
+    assert server.post("/detokenize", {"tokens": [1, 9, 10]}) == (200, {"prompt": "<s> w9 w10"})
+
+
+def test_tokenize_a_chat_and_version(server, tokenizer):
+    from jinja2 import Template
+
+    messages = [{"role": "user", "content": "w10 w11"}]
+    _, answer = server.post("/tokenize", {"model": server.model, "messages": messages, "return_token_strs": True})
+    rendered = Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True, bos_token="<s>")
+    assert answer["tokens"] == tokenizer.encode(rendered, add_special_tokens=False).ids
+    assert answer["token_strs"] == [tokenizer.id_to_token(t) for t in answer["tokens"]]
+    version = server.get_json("/version")["version"]
+    assert version and version[0].isdigit(), version
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_guidellm_streaming_bodies_get_the_usage_in_every_chunk(server, offline, tokenizer, endpoint):
+    """guidellm's streaming bodies: src/guidellm/backends/openai/request_handlers.py,
+    TextCompletionsRequestHandler.format and ChatCompletionsRequestHandler.format (text column)."""
+    body: dict = {
+        "model": server.model,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "stop": None,
+        "ignore_eos": True,
+    }
+    if endpoint == "completions":
+        body.update(max_tokens=7, prompt="w5 w6 w7")
+        prompt_ids = tokenizer.encode("w5 w6 w7").ids
+    else:
+        body.update(max_completion_tokens=7, messages=[{"role": "user", "content": [{"type": "text", "text": "w5"}]}])
+        prompt_ids = tokenizer.encode("<s> user w5 assistant", add_special_tokens=False).ids
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    lines = server.sse(path, body)
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    with_tokens = [c for c in chunks if c["choices"] and c["choices"][0].get("finish_reason", 0) is not None]
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"] and c["usage"] is not None]
+    assert counts == sorted(counts) and counts[-1] == 7, chunks  # the usage so far, in every chunk
+    assert all(c["usage"]["prompt_tokens"] == len(prompt_ids) for c in chunks if c["choices"] and c["usage"])
+    assert with_tokens, chunks
+    last = chunks[-1]
+    assert last["choices"] == [] and last["usage"] == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": 7,
+        "total_tokens": len(prompt_ids) + 7,
+    }
+
+
+def test_top_k_minus_one_means_off(server, offline, tokenizer):
+    prompt_ids = tokenizer.encode(words(3, 4, 5)).ids
+    expected = reference(offline, prompt_ids, max_tokens=8, ignore_eos=True, **SAMPLED)
+    out = server.client().completions.create(
+        model=server.model,
+        prompt=prompt_ids,
+        max_tokens=8,
+        extra_body={"ignore_eos": True, "return_token_ids": True, "top_k": -1},
+        **SAMPLED,
+    )
+    assert out.choices[0].token_ids == expected
 
 
 def test_metrics_carry_vllms_names_and_the_model_name(server):

@@ -3,16 +3,28 @@ response and streaming-chunk models, and the error body.
 
 Fields OpenAI defines but this engine does not implement are accepted only at their neutral value
 (`n=1`, `echo=false`, no logprobs, no penalties): anything else is a 400 naming the field, never a
-silently different result. Extras beyond OpenAI follow vLLM's names: `top_k`, `stop_token_ids`,
-`ignore_eos`, `return_token_ids`.
+silently different result. Extras beyond OpenAI follow vLLM's names and meanings: `top_k` (-1 or 0:
+off), `stop_token_ids`, `ignore_eos`, `return_token_ids`, `stream_options.continuous_usage_stats`.
+Text must be valid Unicode: a lone surrogate ("\\ud800", which JSON can carry) is a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"invalid Unicode at character {exc.start}: a lone surrogate") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 # -- requests ---------------------------------------------------------------------------------------
 
@@ -23,24 +35,29 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = True  # vLLM's default once stream_options is given: a last chunk with the usage
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (with include_usage)
+
+    @property
+    def usage_in_every_chunk(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class _SamplingFields(_Strict):
-    model: str
+    model: Text
     temperature: float | None = None  # OpenAI's default is 1
     top_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     n: int = 1  # only 1 (see unsupported())
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
-    top_k: int | None = None
+    top_k: int | None = None  # None, 0 and -1: off (vLLM's -1)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False  # each choice carries `token_ids` (always, for a model without a tokenizer)
@@ -57,27 +74,48 @@ class _SamplingFields(_Strict):
         return None
 
     @property
+    def top_k_or_off(self) -> int:
+        """The engine's top_k: 0 is off; vLLM's -1 means off too (any other negative is the engine's 400)."""
+        return 0 if self.top_k in (None, -1) else self.top_k
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def usage_in_every_chunk(self) -> bool:
+        return self.stream_options is not None and self.stream_options.usage_in_every_chunk
+
+    @property
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+Prompt = Text | list[int]  # one prompt: text, or token ids
+
+
 class CompletionRequest(_SamplingFields):
-    # One prompt per request; a batch (OpenAI allows one) is parsed so that it is refused by name, not
-    # as "Input should be a valid string".
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # One prompt, or a batch (a list of texts or of token-id lists): one choice per prompt, `index` its
+    # place in the batch, as vLLM answers (lm-eval sends token ids as a batch of one, `[[ids]]`).
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        """The batch: a lone text or token-id list is a batch of one."""
+        if isinstance(self.prompt, str) or not self.prompt or type(self.prompt[0]) is int:
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
 
     def unsupported(self) -> tuple[str, str] | None:
         if isinstance(self.prompt, list) and not self.prompt:
             return "prompt", "empty prompt"
-        if isinstance(self.prompt, list) and not all(type(t) is int for t in self.prompt):
-            return "prompt", "a batch of prompts is not supported: send one prompt (a string or token ids) per request"
         if self.echo:
             return "echo", "echo is not supported"
         if self.logprobs is not None:
@@ -91,13 +129,13 @@ class CompletionRequest(_SamplingFields):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -120,7 +158,34 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text (`prompt`) or a chat (`messages`, rendered with the chat template)."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for a chat (the template has them)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: Text | None = None
+    tokens: list[int]
+
+
 # -- responses --------------------------------------------------------------------------------------
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class Usage(BaseModel):

@@ -1,8 +1,9 @@
 """Text for the server: the model directory's `tokenizer.json`, its chat template, and streaming decode.
 
-The chat template is the Jinja2 template of `tokenizer_config.json` (`chat_template`, a string or a
-list of named templates), rendered in a sandbox as Hugging Face renders it. A model without a
-tokenizer (tiny-llama) serves token-id prompts only; its choices carry `token_ids` and empty text.
+The chat template is `chat_template.jinja` beside `tokenizer_config.json` (where current
+transformers saves it), else the config's `chat_template` (a string or a list of named templates),
+rendered in a sandbox as Hugging Face renders it. A model without a tokenizer (tiny-llama) serves
+token-id prompts only; its choices carry `token_ids` and empty text.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ class ServedTokenizer:
         if path is None:
             raise FileNotFoundError(f"{model}: no tokenizer.json")
         self.tokenizer = Tokenizer.from_file(path)
-        self.chat_template = _chat_template(Path(path).parent / "tokenizer_config.json")
+        directory = Path(path).parent
+        self.config = _read_config(directory / "tokenizer_config.json")
+        self.chat_template = _chat_template(directory, self.config)
 
     @classmethod
     def load(cls, model: str) -> ServedTokenizer | None:
@@ -63,25 +66,46 @@ class ServedTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def encode_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        return [self.tokenizer.id_to_token(t) or "" for t in token_ids]
+
+    def info(self) -> dict:
+        """vLLM's /tokenizer_info: the tokenizer config, its special tokens and the chat template in use."""
+        info = {k: v for k, v in self.config.items() if k != "added_tokens_decoder"}
+        info["bos_token"] = _token_text(self.config.get("bos_token")) or None
+        info["eos_token"] = _token_text(self.config.get("eos_token")) or None
+        info["chat_template"] = self.chat_template.source if self.chat_template is not None else None
+        return info
+
+    def encode_chat(
+        self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True, add_special_tokens: bool = False
+    ) -> list[int]:
+        """The template writes the special tokens itself (`add_special_tokens=False`, as vLLM's chat does)."""
         if self.chat_template is None:
             raise ChatTemplateError(
-                "messages: this model has no chat template (no chat_template in tokenizer_config.json); "
-                "use /v1/completions"
+                "messages: this model has no chat template (no chat_template.jinja, no chat_template in "
+                "tokenizer_config.json); use /v1/completions"
             )
         text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
-        return self.encode(text, add_special_tokens=False)  # the template writes the special tokens itself
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
 
-def _chat_template(config_path: Path) -> ChatTemplate | None:
+def _read_config(path: Path) -> dict:
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
-        return None
-    source = config.get("chat_template")
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _chat_template(directory: Path, config: dict) -> ChatTemplate | None:
+    try:
+        source: object = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    except OSError:
+        source = config.get("chat_template")
     if isinstance(source, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default") or next(iter(named.values()), None)

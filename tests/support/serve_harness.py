@@ -28,8 +28,14 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_text_model(path: Path, *, chat_template: bool = True) -> Path:
-    """A random 64-token Llama checkpoint with a whitespace WordLevel tokenizer (and a chat template)."""
+# Where current transformers saves a chat template is chat_template.jinja; a config's own template is
+# then stale. This one fails if it is ever rendered in place of the file.
+STALE_CONFIG_TEMPLATE = "{{ raise_exception('the config template was rendered, not chat_template.jinja') }}"
+
+
+def write_text_model(path: Path, *, chat_template: bool | str = True) -> Path:
+    """A random 64-token Llama checkpoint with a whitespace WordLevel tokenizer (and a chat template:
+    in tokenizer_config.json, or with `chat_template="jinja"` in chat_template.jinja beside a stale one)."""
     from test_model_loader import write_checkpoint
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -42,7 +48,10 @@ def write_text_model(path: Path, *, chat_template: bool = True) -> Path:
     tokenizer.pre_tokenizer = WhitespaceSplit()
     tokenizer.save(str(path / "tokenizer.json"))
     config = {"bos_token": "<s>", "eos_token": "</s>"}
-    if chat_template:
+    if chat_template == "jinja":
+        (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+        config["chat_template"] = STALE_CONFIG_TEMPLATE
+    elif chat_template:
         config["chat_template"] = CHAT_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
@@ -101,6 +110,23 @@ class ServerProcess:
             return exc.code, exc.read()
         except OSError:
             return 0, b""
+
+    def post(self, path: str, body: dict, timeout_s: float = 30.0) -> tuple[int, object]:
+        """POST a JSON body exactly as given (no client's defaults added); (status, the JSON answer)."""
+        status, answer = self.request("POST", path, json.dumps(body).encode(), timeout_s=timeout_s)
+        return status, json.loads(answer) if answer else None
+
+    def get_json(self, path: str) -> object:
+        status, answer = self.get(path)
+        assert status == 200, (status, answer)
+        return json.loads(answer)
+
+    def sse(self, path: str, body: dict, timeout_s: float = 30.0) -> list[str]:
+        """POST a streaming body; the `data:` payloads of the answer, [DONE] included."""
+        status, answer = self.request("POST", path, json.dumps(body).encode(), timeout_s=timeout_s)
+        assert status == 200, (status, answer)
+        lines = answer.decode().splitlines()
+        return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
