@@ -7,7 +7,8 @@ steps) and hears back once per loop turn: an `EngineTurn` is handed to the loop 
 `call_soon_threadsafe`, which routes its deltas into per-request asyncio queues (`RequestStream`).
 
 Every wait is bounded by an event that always comes: a request's stream ends with its finishing
-delta, with an abort, or, when the engine dies, with an error (`EngineDeadError`).
+delta, with an abort, or, when the engine dies, with an error (`EngineDeadError`); then the
+`on_dead` callbacks run on the loop (the server exits).
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ class AsyncLLM:
         self.dead_reason: str | None = None  # loop thread only
         self.stopped = False  # loop thread only
         self.last_stats: EngineStats | None = None  # loop thread only
+        self.on_dead: list[Callable[[str], None]] = []  # called on the loop, once, when the engine died
 
     # -- event-loop side ----------------------------------------------------------------------------
 
@@ -242,9 +244,11 @@ class AsyncLLM:
             if delta.finish_reason is not None:
                 stream.finished = True
                 del self._streams[delta.request_id]
-        if turn.dead_reason is not None:
+        if turn.dead_reason is not None and self.dead_reason is None:
             self.dead_reason = turn.dead_reason
             self._fail_open(turn.dead_reason)
+            for callback in self.on_dead:
+                callback(turn.dead_reason)
 
     def _fail_open(self, reason: str) -> None:
         """End every open stream with an error (an add still queued included): nobody waits forever."""

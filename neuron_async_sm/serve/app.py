@@ -2,7 +2,12 @@
 
 Every request ends, whatever happens to it: its stream finishes, or its client leaves (the request is
 aborted wherever it is in the engine's two-deep pipeline), or the server's shutdown deadline aborts
-it (an error event / 503), or the engine dies (an error event / 500, and /health turns 503).
+it (an error event / 503), or the engine dies (an error event / 500; the server then exits non-zero,
+as vLLM's API server does, so that a supervisor restarts it).
+
+Bad input must not hurt the other clients: bodies are capped (`body_limit.py`), text longer than the
+context could hold is refused before it is tokenized, and tokenizing and chat rendering run in a
+thread, off the event loop that serves every stream and /health.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from neuron_async_sm.engine.async_llm import AsyncLLM, EngineOverloadedError, Re
 from neuron_async_sm.engine.core import EngineDeadError
 from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
 from neuron_async_sm.serve import protocol as p
+from neuron_async_sm.serve.body_limit import BodyLimit
 from neuron_async_sm.serve.errors import ApiError, invalid
 from neuron_async_sm.serve.generation import (
     ChatFormat,
@@ -38,6 +44,8 @@ from neuron_async_sm.serve.metrics import ServerMetrics
 from neuron_async_sm.serve.tokenizer import ChatTemplateError, IncrementalText, ServedTokenizer
 
 logger = logging.getLogger("uvicorn.error")  # uvicorn's own: shown beside its "Shutting down" at --log-level
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 
 
 def _package_version() -> str:
@@ -55,6 +63,7 @@ class ServeSettings:
     model_name: str  # the id clients pass as `model` (and /v1/models lists)
     max_model_len: int  # the engine's, resolved against the model
     shutdown_timeout_s: float  # after SIGTERM, in-flight requests get this long, then are aborted
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get 413 unread
 
 
 class Server:
@@ -65,6 +74,8 @@ class Server:
     ) -> None:
         self.engine, self.tokenizer, self.metrics, self.settings = engine, tokenizer, metrics, settings
         self._deadline: asyncio.TimerHandle | None = None
+        self.exit: Callable[[], None] | None = None  # set by the HTTP server: stop serving (engine died)
+        engine.on_dead.append(self._engine_died)
 
     def begin_drain(self) -> None:
         """SIGTERM (on the loop): in-flight requests get shutdown_timeout_s, then every open one is aborted."""
@@ -80,6 +91,25 @@ class Server:
                 "Aborting %d requests still open after %g s", self.engine.num_open, self.settings.shutdown_timeout_s
             )
         self.engine.abort_all()
+
+    def _engine_died(self, reason: str) -> None:
+        """On the loop, once: every open stream already has its error; stop serving and exit non-zero."""
+        logger.error("The engine died (%s): the server exits so that its supervisor can restart it", reason)
+        if self.exit is not None:
+            self.exit()
+
+    def describe(self) -> str:
+        """The start-up line: what this server was configured with."""
+        config = self.engine.llm.config
+        return (
+            f"Serving {self.settings.model_name!r} (model {config.model}): max_model_len={config.max_model_len}, "
+            f"KV capacity {config.max_num_seqs} sequences x {config.max_model_len} tokens, "
+            f"async scheduling {'on' if config.async_scheduling else 'off'}, device {config.device}, "
+            f"tensor parallel {config.tensor_parallel_size}, dtype {config.dtype}, "
+            f"tokenizer {'yes' if self.tokenizer is not None else 'none (token ids only)'}, "
+            f"chat template {'yes' if self.tokenizer is not None and self.tokenizer.chat_template else 'none'}, "
+            f"max request body {self.settings.max_request_body_bytes} bytes"
+        )
 
     # -- one request --------------------------------------------------------------------------------
 
@@ -105,19 +135,26 @@ class Server:
         )
 
     async def encode(self, text: str, param: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Text -> token ids."""
+        """Text -> token ids in a thread; text too long to fit is refused without being tokenized."""
         tokenizer = self.needs_tokenizer(param, "text prompts")
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if not tokenizer.may_fit(len(text), self.settings.max_model_len):
+            raise self._too_long(f"more than {self.settings.max_model_len}", param)
+        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     async def encode_chat(
         self, chat: list[p.ChatMessage], *, add_generation_prompt: bool, add_special_tokens: bool = False
     ) -> list[int]:
-        """Render the chat template and encode."""
+        """Render the chat template and encode, in a thread; a chat too long to fit is refused unrendered."""
         tokenizer = self.needs_tokenizer("messages", "chat and its template")
         messages = [{"role": m.role, "content": m.text()} for m in chat]
+        if not tokenizer.may_fit(sum(len(m["content"]) for m in messages), self.settings.max_model_len):
+            raise self._too_long(f"more than {self.settings.max_model_len}", "messages")
         try:
-            return tokenizer.encode_chat(
-                messages, add_generation_prompt=add_generation_prompt, add_special_tokens=add_special_tokens
+            return await asyncio.to_thread(
+                tokenizer.encode_chat,
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                add_special_tokens=add_special_tokens,
             )
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
@@ -299,10 +336,11 @@ def _check_model(server: Server, model: str | None) -> None:
 
 
 def _refused(request: Request, error: ApiError) -> JSONResponse:
-    """Every refusal passes here (the route's own checks, validation, the engine): counted once."""
+    """Every refusal passes here (the route's own checks, validation, the engine): counted once, logged."""
     code = error.body.error.code
     server = _server(request)
-    server.metrics.rejected(code if code in ("overloaded", "engine_dead") else "invalid")
+    server.metrics.rejected(code if code in ("overloaded", "engine_dead", "request_too_large") else "invalid")
+    logger.info("%s %s -> %d: %s", request.method, request.url.path, error.status, error.message)
     return error.response()
 
 
@@ -336,6 +374,7 @@ def build_app(server: Server) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.engine.start()
+        logger.info(server.describe())
         try:
             yield
         finally:
@@ -348,4 +387,12 @@ def build_app(server: Server) -> FastAPI:
     app.add_exception_handler(Exception, _unexpected)
     app.include_router(router)
 
+    def too_large(size: str) -> ApiError:
+        limit = server.settings.max_request_body_bytes
+        server.metrics.rejected("request_too_large")
+        message = f"the request body is {size} bytes; this server takes at most {limit} (--max-request-body-bytes)"
+        logger.info("-> 413: %s", message)
+        return ApiError(413, message, code="request_too_large")
+
+    app.add_middleware(BodyLimit, limit=server.settings.max_request_body_bytes, refuse=too_large)
     return app

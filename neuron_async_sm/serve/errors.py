@@ -1,10 +1,12 @@
-"""The server's error answers: an OpenAI-style JSON body with its HTTP status."""
+"""The server's error answers: an OpenAI-style JSON body with its HTTP status (and Retry-After on 503)."""
 
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
 from neuron_async_sm.serve import protocol as p
+
+RETRY_AFTER_S = 1  # a 503 (overloaded, shutting down, engine dead) tells the client when to try again
 
 
 class ApiError(Exception):
@@ -29,7 +31,8 @@ class ApiError(Exception):
         return self.body.error.message
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body.model_dump(), status_code=self.status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
+        return JSONResponse(self.body.model_dump(), status_code=self.status, headers=headers)
 
 
 class GenerationEnded(Exception):

@@ -45,6 +45,11 @@ def serve(app: FastAPI, server: Server, *, host: str, port: int, log_level: str)
         timeout_graceful_shutdown=server.settings.shutdown_timeout_s + BACKSTOP_S,
     )
     uv = DrainingServer(config, server)
+
+    def stop() -> None:  # the engine died: stop serving; run_serve then exits non-zero
+        uv.should_exit = True
+
+    server.exit = stop
     received: list[int] = []
     # uvicorn re-raises the signal it caught once it has shut down. With this handler in place the
     # re-raised SIGTERM is recorded instead of killing the process: a drained server exits 0.
