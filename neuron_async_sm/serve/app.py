@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import json
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Annotated, TypeVar
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
 
 from neuron_async_sm.engine.async_llm import AsyncLLM, EngineOverloadedError, RequestStream
 from neuron_async_sm.engine.core import EngineDeadError
@@ -240,6 +243,50 @@ def _server(request: Request) -> Server:
     return request.app.state.server
 
 
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def json_body(model: type[Body]) -> Callable[[Request], Awaitable[Body]]:
+    """A route's body, parsed and validated in one pass over the bytes.
+
+    Hazard: parsing runs on the event loop and holds it for the whole body (a thread would not help:
+    the parser keeps the GIL), so --max-request-body-bytes bounds how long one body stalls the other
+    streams and /health. One pass (pydantic's own JSON parser) holds it less than json.loads followed
+    by validation, FastAPI's way.
+    """
+
+    async def parse(request: Request) -> Body:
+        raw = await request.body()
+        try:
+            return model.model_validate_json(raw)
+        except ValidationError as exc:
+            if not any(e["type"] == "json_invalid" for e in exc.errors()):
+                raise RequestValidationError(_in_body(exc)) from exc
+        # Python's json takes what pydantic's refuses (a lone surrogate "\ud800"): its error says more.
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise RequestValidationError(
+                [{"type": "json_invalid", "loc": ("body",), "ctx": {"error": str(exc)}}]
+            ) from exc
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise RequestValidationError(_in_body(exc)) from exc
+
+    return parse
+
+
+def _in_body(exc: ValidationError) -> list[dict]:
+    return [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+
+
+CompletionBody = Annotated[p.CompletionRequest, Depends(json_body(p.CompletionRequest))]
+ChatCompletionBody = Annotated[p.ChatCompletionRequest, Depends(json_body(p.ChatCompletionRequest))]
+TokenizeBody = Annotated[p.TokenizeRequest, Depends(json_body(p.TokenizeRequest))]
+DetokenizeBody = Annotated[p.DetokenizeRequest, Depends(json_body(p.DetokenizeRequest))]
+
+
 router = APIRouter()
 
 
@@ -270,7 +317,7 @@ async def models(request: Request) -> p.ModelList:
 
 
 @router.post("/v1/completions")
-async def completions(body: p.CompletionRequest, request: Request) -> Response:
+async def completions(request: Request, body: CompletionBody) -> Response:
     server = _server(request)
     server.check(body)
     prompts = [
@@ -280,7 +327,7 @@ async def completions(body: p.CompletionRequest, request: Request) -> Response:
 
 
 @router.post("/v1/chat/completions")
-async def chat(body: p.ChatCompletionRequest, request: Request) -> Response:
+async def chat(request: Request, body: ChatCompletionBody) -> Response:
     server = _server(request)
     server.check(body)
     prompt = await server.encode_chat(body.messages, add_generation_prompt=body.add_generation_prompt)
@@ -288,7 +335,7 @@ async def chat(body: p.ChatCompletionRequest, request: Request) -> Response:
 
 
 @router.post("/tokenize")
-async def tokenize(body: p.TokenizeRequest, request: Request) -> p.TokenizeResponse:
+async def tokenize(request: Request, body: TokenizeBody) -> p.TokenizeResponse:
     server = _server(request)
     _check_model(server, body.model)
     if (body.prompt is None) == (body.messages is None):
@@ -306,7 +353,7 @@ async def tokenize(body: p.TokenizeRequest, request: Request) -> p.TokenizeRespo
 
 
 @router.post("/detokenize")
-async def detokenize(body: p.DetokenizeRequest, request: Request) -> p.DetokenizeResponse:
+async def detokenize(request: Request, body: DetokenizeBody) -> p.DetokenizeResponse:
     server = _server(request)
     _check_model(server, body.model)
     tokenizer = server.needs_tokenizer("tokens", "detokenizing")
