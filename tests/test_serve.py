@@ -201,6 +201,7 @@ def _error(exc: openai.APIStatusError) -> dict:
         (dict(prompt=[5, 64]), "prompt"),  # a token id outside the vocabulary (the scheduler's check)
         (dict(prompt="w5", logprobs=2), "logprobs"),
         (dict(prompt="w5", echo=True), "echo"),
+        (dict(prompt="w5", stream_options={"include_usage": True}), "stream_options"),  # without stream=true
         (dict(prompt="w5", extra_body={"top_k": -2}), "top_k"),  # -1 is off (vLLM's), below is an error
         (dict(prompt=[[5], [5, 64]]), "prompt"),  # one bad prompt of a batch refuses the batch
         (dict(prompt=[]), "prompt"),

@@ -71,6 +71,8 @@ class _SamplingFields(_Strict):
                 return name, f"{name} is not supported (only 0)"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only for stream=true"  # vLLM refuses it too
         return None
 
     @property
