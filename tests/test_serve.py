@@ -478,3 +478,51 @@ def test_metrics_carry_vllms_names_and_the_model_name(server):
     for name in ("queue_time", "prefill_time", "decode_time", "inference_time"):
         assert server.metric(f"vllm:request_{name}_seconds_count") >= 1, name
     assert server.metric("vllm:request_generation_tokens_sum") >= 3
+
+
+# What the server does with each parameter of the OpenAI schemas (the openai SDK's own lists): honoured,
+# accepted and unused (`user`, as vLLM), or refused with a 400 naming it. Nothing is silently ignored.
+HONOURED = {
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "stream_options",
+    "user",
+}
+NOT_NEUTRAL = {  # accepted at their neutral value only; these values are refused by name
+    "n": 2,
+    "best_of": 2,
+    "echo": True,
+    "logprobs": 1,
+    "frequency_penalty": 0.5,
+    "presence_penalty": 0.5,
+    "logit_bias": {"5": 1.0},
+    "suffix": "w6",
+}
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_every_parameter_of_the_openai_schema_is_honoured_or_refused_by_name(server, endpoint):
+    if endpoint == "completions":
+        from openai.types.completion_create_params import CompletionCreateParamsBase as Params
+
+        path, base = "/v1/completions", {"model": server.model, "prompt": "w5", "max_tokens": 2}
+        not_neutral = NOT_NEUTRAL
+    else:
+        from openai.types.chat.completion_create_params import CompletionCreateParamsBase as Params
+
+        path = "/v1/chat/completions"
+        base = {"model": server.model, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2}
+        not_neutral = {**NOT_NEUTRAL, "logprobs": True}
+    refused = sorted(set(Params.__annotations__) - HONOURED)
+    assert refused, "the SDK's schema is not where this test looks"
+    for name in refused:
+        status, answer = server.post(path, {**base, name: not_neutral.get(name, 1)})
+        assert status == 400 and answer["error"]["param"] == name, (name, answer)
+    assert server.sse(path, {**base, "stream": True, "stream_options": {"include_usage": True}})[-1] == "[DONE]"
