@@ -1,7 +1,9 @@
 """Every TLC model in spec/manifest.json gives its expected result and its distinct-state count.
 
 Passing models must pass; must-fail models (the implementation with one guard removed) must fail on
-the invariant that guards it. A parse error, an unexpected pass or an unexpected failure fails here.
+the invariant that guards it. Each spec (AsyncScheduling.tla, StructuredOutput.tla) is checked on its
+own: its models share the module MC<Spec>, whose reference model MC<Spec>.cfg has every guard.
+A parse error, an unexpected pass or an unexpected failure fails here.
 """
 
 from __future__ import annotations
@@ -12,7 +14,20 @@ import pytest
 from tlc import EXIT_PARSE, SPEC_DIR, manifest_models
 
 MODELS = manifest_models()
-REFERENCE_CONFIG = "MCAsyncScheduling.cfg"
+# Each spec's models share a module MC<Spec>, whose reference model MC<Spec>.cfg has every guard.
+MODULES = sorted({m["module"] for m in MODELS})
+
+
+def reference_config(module: str) -> str:
+    return f"{module}.cfg"
+
+
+def spec_file(module: str) -> str:
+    return module.removeprefix("MC") + ".tla"
+
+
+def models_of(module: str) -> list[dict]:
+    return [m for m in MODELS if m["module"] == module]
 
 
 def constants(config: str) -> dict[str, str]:
@@ -21,14 +36,11 @@ def constants(config: str) -> dict[str, str]:
     return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s*(\w+)\s*(?:=|<-)\s*(.+)$", block, re.M)}
 
 
-def spec_guards() -> list[str]:
-    """The constants AsyncScheduling.tla declares after "The guards." (the implementation has them all)."""
-    spec = (SPEC_DIR / "AsyncScheduling.tla").read_text()
+def spec_guards(module: str = "MCAsyncScheduling") -> list[str]:
+    """The constants a spec declares after "The guards." (the implementation has them all)."""
+    spec = (SPEC_DIR / spec_file(module)).read_text()
     block = spec.split("\\* The guards.", 1)[1].split("\n\n", 1)[0]
     return re.findall(r"^\s+(\w+),?\s+\\\*", block, re.M)
-
-
-GUARDS = spec_guards()
 
 
 @pytest.mark.parametrize("entry", MODELS, ids=[m["config"] for m in MODELS])
@@ -50,77 +62,86 @@ def test_manifest_lists_every_model_config():
     assert configs == {m["config"] for m in MODELS}
 
 
-def test_each_must_fail_model_drops_exactly_one_guard_of_the_reference_model():
-    assert len(GUARDS) >= 7, GUARDS
-    reference = constants(REFERENCE_CONFIG)
-    assert all(reference[g] == "TRUE" for g in GUARDS), "the reference model must have every guard"
+@pytest.mark.parametrize("module", MODULES)
+def test_each_must_fail_model_drops_exactly_one_guard_of_the_reference_model(module):
+    guards = spec_guards(module)
+    assert len(guards) >= (7 if module == "MCAsyncScheduling" else 3), guards
+    reference_cfg = reference_config(module)
+    reference = constants(reference_cfg)
+    assert all(reference[g] == "TRUE" for g in guards), "the reference model must have every guard"
+    passing = {m["config"] for m in models_of(module) if m["expect"] == "pass"}
     dropped = set()
-    for entry in MODELS:
+    for entry in models_of(module):
         if entry.get("witness"):
             continue  # test_each_witness_model_keeps_every_guard_and_changes_only_bounds
         if entry.get("fairness"):
             continue  # test_the_fairness_must_fail_model_drops_only_its_fairness
         if entry["expect"] == "pass":
-            assert all(constants(entry["config"])[g] == "TRUE" for g in GUARDS), entry["config"]
+            assert all(constants(entry["config"])[g] == "TRUE" for g in guards), entry["config"]
             continue
-        base = constants(entry.get("base", REFERENCE_CONFIG))  # a passing model: every guard in place
-        assert entry.get("base", REFERENCE_CONFIG) in {m["config"] for m in MODELS if m["expect"] == "pass"}, entry
+        base = constants(entry.get("base", reference_cfg))  # a passing model: every guard in place
+        assert entry.get("base", reference_cfg) in passing, entry
         diff = {k for k, v in constants(entry["config"]).items() if base.get(k) != v}
-        assert len(diff) == 1 and diff <= set(GUARDS), f"{entry['config']} differs in {diff}"
+        assert len(diff) == 1 and diff <= set(guards), f"{entry['config']} differs in {diff}"
         assert entry["guard"] in diff, entry
         dropped |= diff
-    assert dropped == set(GUARDS), f"no must-fail model drops {set(GUARDS) - dropped}"
+    assert dropped == set(guards), f"no must-fail model drops {set(guards) - dropped}"
 
 
-def test_every_safety_invariant_is_shown_to_fail_by_some_model():
-    spec = (SPEC_DIR / "AsyncScheduling.tla").read_text()
+@pytest.mark.parametrize("module", MODULES)
+def test_every_safety_invariant_is_shown_to_fail_by_some_model(module):
+    spec = (SPEC_DIR / spec_file(module)).read_text()
     invariants = set(re.findall(r"^(\w+Inv) ==", spec, re.M))
-    expected_failures = {m["expect"] for m in MODELS if not m.get("witness") and not m.get("fairness")}
+    expected_failures = {m["expect"] for m in models_of(module) if not m.get("witness") and not m.get("fairness")}
     assert invariants == expected_failures - {"pass", "deadlock"}, "each invariant needs a model that breaks it"
-    assert "deadlock" in expected_failures
+    if module == "MCAsyncScheduling":
+        assert "deadlock" in expected_failures
 
 
 # What a witness model may change: how long outputs are, who may be aborted or stop on EOS, whether
 # programs fail, the relay switch. Never a guard: a witness shows what the implementation reaches.
-WITNESS_BOUNDS = {"MaxTokens", "MayAbort", "MayStop", "AllowFailure", "AsyncRelay"}
-SAFETY = [
-    "TypeOK",
-    "ExactlyOnceMaterializationInv",
-    "TokenOwnershipInv",
-    "NoStaleInputInv",
-    "CounterInv",
-    "PipelineDepthInv",
-]
+WITNESS_BOUNDS = {
+    "MCAsyncScheduling": {"MaxTokens", "MayAbort", "MayStop", "AllowFailure", "AsyncRelay"},
+    "MCStructuredOutput": {"MaxTokens", "MayStop"},
+}
 
 
 def invariants_of(config: str) -> list[str]:
     return (SPEC_DIR / config).read_text().split("INVARIANTS", 1)[1].split()
 
 
-def test_each_witness_model_keeps_every_guard_and_changes_only_bounds():
-    reference = constants(REFERENCE_CONFIG)
-    for entry in (m for m in MODELS if m.get("witness")):
+def test_every_spec_has_witness_bounds():
+    assert set(MODULES) == set(WITNESS_BOUNDS)
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_each_witness_model_keeps_every_guard_and_changes_only_bounds(module):
+    guards = spec_guards(module)
+    reference = constants(reference_config(module))
+    safety = invariants_of(reference_config(module))  # the reference model checks every safety invariant
+    for entry in (m for m in models_of(module) if m.get("witness")):
         mine = constants(entry["config"])
-        assert all(mine[g] == "TRUE" for g in GUARDS), entry["config"]
+        assert all(mine[g] == "TRUE" for g in guards), entry["config"]
         diff = {k for k in mine.keys() | reference.keys() if mine.get(k) != reference.get(k)}
-        assert diff <= WITNESS_BOUNDS, f"{entry['config']} changes {diff - WITNESS_BOUNDS}"
+        assert diff <= WITNESS_BOUNDS[module], f"{entry['config']} changes {diff - WITNESS_BOUNDS[module]}"
         # the safety invariants are checked on every state explored before the witness is found
-        assert invariants_of(entry["config"]) == [*SAFETY, entry["expect"]], entry["config"]
+        assert invariants_of(entry["config"]) == [*safety, entry["expect"]], entry["config"]
 
 
-def test_every_reachability_claim_has_a_witness_that_violates_it():
-    spec = (SPEC_DIR / "AsyncScheduling.tla").read_text()
+@pytest.mark.parametrize("module", MODULES)
+def test_every_reachability_claim_has_a_witness_that_violates_it(module):
+    spec = (SPEC_DIR / spec_file(module)).read_text()
     claims = set(re.findall(r"^(\w+Unreached) ==", spec, re.M))
-    witnessed = {m["expect"] for m in MODELS if m.get("witness")}
-    assert len(claims) >= 6 and claims == witnessed, (claims, witnessed)
+    witnessed = {m["expect"] for m in models_of(module) if m.get("witness")}
+    assert len(claims) >= (6 if module == "MCAsyncScheduling" else 3) and claims == witnessed, (claims, witnessed)
 
 
 def test_the_fairness_must_fail_model_drops_only_its_fairness():
     """A liveness must-fail keeps its base's constants and drops one fairness condition of its spec."""
-    spec = (SPEC_DIR / "AsyncScheduling.tla").read_text()
     entries = [m for m in MODELS if m.get("fairness")]
     assert entries, "no model shows that request liveness needs the output thread's fairness"
     for entry in entries:
+        spec = (SPEC_DIR / spec_file(entry["module"])).read_text()
         assert entry["expect"] == "liveness", entry
         assert constants(entry["config"]) == constants(entry["base"]), entry["config"]
         spec_of = {
