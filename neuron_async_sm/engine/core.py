@@ -106,7 +106,7 @@ class LogitsProgram:
         return logits.to(logits_dtype(self.program.spec.dtype))
 
 
-def _check_before_device_start(config: EngineConfig, model: LlamaConfig) -> EngineConfig:
+def check_before_device_start(config: EngineConfig, model: LlamaConfig) -> EngineConfig:
     """Errors a user can act on, raised on the host instead of from inside the device process.
 
     Returns `config` with max_model_len resolved against the model and the KV cache budget.
@@ -118,6 +118,13 @@ def _check_before_device_start(config: EngineConfig, model: LlamaConfig) -> Engi
     return resolve_model_len(config, model)  # raises ConfigError naming the numbers and the flags
 
 
+def model_spec(config: EngineConfig) -> ModelSpec:
+    """The device's build recipe for a resolved `config` (max_model_len decided)."""
+    assert config.max_model_len is not None, "resolve max_model_len first (check_before_device_start)"
+    compile_shapes = () if config.enforce_eager else tuple(warmup_shapes(config))  # built in the device
+    return ModelSpec(config.model, config.dtype, config.max_num_seqs, config.max_model_len, config.seed, compile_shapes)
+
+
 class EngineCore:
     """Scheduler + executor + the step loop."""
 
@@ -125,12 +132,9 @@ class EngineCore:
         """``runtime_factory`` builds each runtime, called like ``create_runtime`` (a test wraps the backend)."""
         self.model_config = load_model_config(config.model)
         # Resolved once, before anything reads it: from here on max_model_len is the int chosen.
-        self.config = config = _check_before_device_start(config, self.model_config)
+        self.config = config = check_before_device_start(config, self.model_config)
         self.tracer = Tracer(config.trace_path)
-        compile_shapes = () if config.enforce_eager else tuple(warmup_shapes(config))  # built in the device
-        spec = ModelSpec(
-            config.model, config.dtype, config.max_num_seqs, config.max_model_len, config.seed, compile_shapes
-        )
+        spec = model_spec(config)
         # One runtime per tensor-parallel rank; the output rank's is `runtime`, its runner `runner`.
         self.runtimes = start_ranks(
             config,

@@ -60,11 +60,11 @@ def start_ranks(
     if config.distributed_executor_backend == "ray":
         return _start_ray_ranks(config, factory_for)
     if size == 1:
-        return [_start(config, factory_for(None), warmup, runtime_factory)]
+        return [start_rank(config, factory_for(None), warmup, runtime_factory)]
     port = free_port()
     groups = [TensorParallelGroup(rank, size, port, collective_timeout_s(config)) for rank in range(size)]
     return _together(
-        [lambda group=group: _start(config, factory_for(group), warmup, runtime_factory) for group in groups]
+        [lambda group=group: start_rank(config, factory_for(group), warmup, runtime_factory) for group in groups]
     )
 
 
@@ -133,7 +133,12 @@ def _start_ray_ranks(
         raise
 
 
-def _start(
-    config: EngineConfig, factory: ProgramFactory, warmup: Sequence[WarmupCall], runtime_factory: RuntimeFactory
+def start_rank(
+    config: EngineConfig,
+    factory: ProgramFactory,
+    warmup: Sequence[WarmupCall] = (),
+    runtime_factory: RuntimeFactory = create_runtime,
 ) -> DeviceRuntime:
+    """One rank's device runtime (`factory` builds its programs; with a group, its shard), started from
+    `config`'s runtime settings. Starting a rank of a group blocks until every rank of it has joined."""
     return runtime_factory(config, factory, warmup)  # warm-up: compiling devices only

@@ -33,15 +33,16 @@ CHAT_TEMPLATE = (
 STALE_CONFIG_TEMPLATE = "{{ raise_exception('the config template was rendered, not chat_template.jinja') }}"
 
 
-def write_text_model(path: Path, *, chat_template: bool | str = True) -> Path:
+def write_text_model(path: Path, *, chat_template: bool | str = True, **fields: object) -> Path:
     """A random 64-token Llama checkpoint with a whitespace WordLevel tokenizer (and a chat template:
-    in tokenizer_config.json, or with `chat_template="jinja"` in chat_template.jinja beside a stale one)."""
+    in tokenizer_config.json, or with `chat_template="jinja"` in chat_template.jinja beside a stale one);
+    `fields`: config.json fields to add or change."""
     from test_model_loader import write_checkpoint
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
 
-    write_checkpoint(path)
+    write_checkpoint(path, **fields)
     vocab = {token: i for i, token in enumerate([*SPECIAL, *WORDS, *ROLES])}
     assert len(vocab) == 64
     tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))

@@ -1,0 +1,129 @@
+"""Our vLLM platform: configuration checks, and which worker class vLLM builds.
+
+A platform has no device of its own here: the device is our runtime (the emulated Neuron device
+process by default), started by the worker. vLLM sees a CPU-typed platform with gloo. Only vLLM's
+platform interface is imported at module level: vLLM resolves the platform while its own config
+modules are still importing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.platforms.interface import Platform, PlatformEnum
+
+from neuron_async_sm.vllm_plugin import PLUGIN_NAME, WORKER_CLS
+from neuron_async_sm.vllm_plugin.config import DTYPE_NAMES, PluginOptions
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+DEFAULT_BLOCK_SIZE = 16  # vLLM's block accounting only: our KV cache is one slot per request
+
+# vLLM sampling features our device's sampler does not implement: a request asking for one is
+# rejected with a message naming it, never run with the feature silently ignored.
+_UNSUPPORTED_SAMPLING = (
+    ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0),
+    ("repetition_penalty", 1.0),
+    ("min_p", 0.0),
+    ("min_tokens", 0),
+    ("logprobs", None),
+    ("prompt_logprobs", None),
+    ("logit_bias", None),
+    ("allowed_token_ids", None),
+    ("bad_words", None),
+    ("structured_outputs", None),
+)
+
+
+class NeuronAsyncSMPlatform(Platform):
+    """vLLM's view of our device: CPU-typed, gloo, our worker class."""
+
+    _enum = PlatformEnum.OOT
+    device_name = PLUGIN_NAME
+    device_type = "cpu"
+    dispatch_key = "CPU"
+    dist_backend = "gloo"
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return list(DTYPE_NAMES)  # float32 first: the "auto" dtype of a float32 checkpoint
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        """Runs for every VllmConfig, default ones without a model included (nothing to check then)."""
+        if vllm_config.model_config is None:
+            return
+        # Imported here: vLLM imports this module while vllm.config itself is still importing.
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        PluginOptions.of(vllm_config.additional_config)  # an unknown option fails here, before any process starts
+        parallel = vllm_config.parallel_config
+        if parallel.worker_cls == "auto":
+            parallel.worker_cls = WORKER_CLS
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError(f"{PLUGIN_NAME}: pipeline parallelism is not supported; use tensor parallelism")
+        if parallel.distributed_executor_backend not in (None, "mp", "uni"):
+            raise ValueError(
+                f"{PLUGIN_NAME}: distributed_executor_backend {parallel.distributed_executor_backend!r} is not "
+                "supported; use 'mp' or 'uni'"
+            )
+        if vllm_config.speculative_config is not None:
+            raise ValueError(f"{PLUGIN_NAME}: speculative decoding is not supported")
+        if vllm_config.lora_config is not None:
+            raise ValueError(f"{PLUGIN_NAME}: LoRA is not supported")
+        cache = vllm_config.cache_config
+        # Our KV cache holds a request's tokens in its own slot: a prefix cached in another request's
+        # slot cannot be read, so vLLM must never count a prefix-cache hit as computed.
+        cache.enable_prefix_caching = False
+        if cache.block_size is None:
+            cache.block_size = DEFAULT_BLOCK_SIZE
+        compilation = vllm_config.compilation_config
+        compilation.mode = CompilationMode.NONE  # our device runs its own programs; vLLM compiles nothing
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+
+    @classmethod
+    def validate_request(cls, processed_inputs: Any, params: Any) -> None:
+        for name, default in _UNSUPPORTED_SAMPLING:
+            value = getattr(params, name, default)
+            if value != default and not (default is None and not value):
+                raise ValueError(f"{PLUGIN_NAME}: sampling parameter {name}={value!r} is not supported")
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return PLUGIN_NAME
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        # What the KV cache may use is reported by the worker (determine_available_memory).
+        import psutil
+
+        return psutil.virtual_memory().total
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        # Called by vLLM's async output thread (mp executor) before its first output: without it the
+        # thread dies and every reply after it is lost, so start-up hangs. There is no device to select.
+        return None
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        return None  # we run none of vLLM's kernels (the base tries vllm._C, absent from this wheel)
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @classmethod
+    def inference_mode(cls):  # noqa: ANN206 (a context manager, as the base returns)
+        return torch.no_grad()
+
+    @classmethod
+    def get_current_memory_usage(cls, device: torch.device | None = None) -> float:
+        return 0.0

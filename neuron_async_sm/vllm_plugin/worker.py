@@ -1,0 +1,270 @@
+"""vLLM's worker interface over our ModelRunner: one rank, one device runtime, our machine deciding.
+
+vLLM calls, in order: `init_device`, `load_model`, `get_kv_cache_spec`, `get_supported_kv_cache_layouts`,
+`determine_available_memory`, `initialize_from_config`, `compile_or_warm_up_model`, then per step
+`execute_model` and (unless the step is empty) `sample_tokens`. With async scheduling vLLM keeps one
+step in flight: `execute_model(N+1)` arrives before step N's output is read, and that output is read
+through `get_output()` on the engine-core thread (uni-process executor) or on the worker's
+`WorkerAsyncOutputCopy` thread (mp executor); on a non-output tensor-parallel rank, never.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+from vllm.v1.outputs import AsyncModelRunnerOutput as VllmAsyncModelRunnerOutput
+from vllm.v1.outputs import ModelRunnerOutput as VllmModelRunnerOutput
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from neuron_async_sm.engine.core import StepProgramFactory, check_before_device_start, model_spec
+from neuron_async_sm.engine.ranks import collective_timeout_s, free_port, start_rank
+from neuron_async_sm.engine.warmup import warmup_calls
+from neuron_async_sm.model import load_model_config
+from neuron_async_sm.model.parallel import TensorParallelGroup
+from neuron_async_sm.model.spec import TORCH_DTYPES
+from neuron_async_sm.outputs import ModelRunnerOutput, SchedulerOutput
+from neuron_async_sm.trace import StepObserver, Tracer
+from neuron_async_sm.vllm_plugin.batch import BatchTranslator
+from neuron_async_sm.vllm_plugin.config import PluginOptions, engine_config
+from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput, StepSnapshot
+from neuron_async_sm.worker.model_runner import ModelRunner, relay_width
+
+logger = logging.getLogger("neuron_async_sm")
+
+KV_CACHE_LAYOUT = "LBNHC"  # what vLLM records; our device's cache layout is its own (model/kv_cache.py)
+STATS_LOG_INTERVAL_S = 10.0
+
+
+def vllm_output(output: ModelRunnerOutput, sampling: frozenset[str]) -> VllmModelRunnerOutput:
+    """Our step output as vLLM's: one token per sampling request, none for a partial prefill chunk."""
+    req_ids = list(output.req_ids)
+    tokens = [
+        [token] if req_id in sampling else [] for req_id, token in zip(req_ids, output.sampled_token_ids, strict=True)
+    ]
+    return VllmModelRunnerOutput(
+        req_ids=req_ids, req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)}, sampled_token_ids=tokens
+    )
+
+
+class VllmAsyncOutput(VllmAsyncModelRunnerOutput):
+    """vLLM's handle on one step's output: our output object, which materializes exactly once."""
+
+    def __init__(self, output: AsyncModelRunnerOutput, sampling: frozenset[str]) -> None:
+        self.output = output
+        self.sampling = sampling
+
+    def get_output(self) -> VllmModelRunnerOutput:
+        # Hazard: double materialization. vLLM's thread and our runner (a step that breaks the async
+        # flow) may both ask; our output's lock lets one of them transfer and write back.
+        return vllm_output(self.output.get_output(), self.sampling)
+
+    def get_kv_connector_output(self) -> None:
+        return None  # no KV connector
+
+
+class OutputCounter(StepObserver):
+    """Counts the step outputs this rank creates and the ones it materializes (brings to the host)."""
+
+    def __init__(self) -> None:
+        self.created = 0
+        self.materialized = 0
+
+    def output_created(self, output: AsyncModelRunnerOutput) -> None:
+        self.created += 1
+
+    def write_back(self, snapshot: StepSnapshot, tokens: list[int]) -> None:
+        self.materialized += 1
+
+
+@contextmanager
+def device_process_allowed() -> Iterator[None]:
+    """Let this process start our device process although vLLM made it daemonic.
+
+    vLLM's engine-core and worker processes are daemonic, and multiprocessing refuses a daemonic
+    process children (a daemon's children are killed when it exits, not orphaned). Ours is one of
+    those: the device process is daemonic itself and leaves when its pipe to us closes.
+    """
+    config = multiprocessing.current_process()._config  # noqa: SLF001 (the flag Process.start() checks)
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        if daemon is None:
+            config.pop("daemon", None)
+        else:
+            config["daemon"] = daemon
+
+
+class NeuronAsyncSMWorker(WorkerBase):
+    """One rank: vLLM's steps translated (`BatchTranslator`) and run by our ModelRunner on our device."""
+
+    def __init__(
+        self,
+        vllm_config,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        is_driver_worker: bool = False,
+    ) -> None:
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        self.options = PluginOptions.of(vllm_config.additional_config)
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.counter = OutputCounter()
+        self.overlapped_steps = 0  # execute_model() calls that found the previous output still unread
+        self.num_blocks = 0  # vLLM's KV cache blocks (initialize_from_config)
+        self._port: int | None = None
+        self._step: SchedulerOutput | None = None
+        self._last_output: AsyncModelRunnerOutput | None = None
+        self._last_log = time.monotonic()
+
+    # -- start-up -----------------------------------------------------------------------------------
+
+    def init_device(self) -> None:
+        self.device = torch.device("cpu")  # vLLM's tensors stay on the host; our device is the runtime's
+        if self.tp_size > 1:
+            self._port = self._rendezvous_port()
+
+    def _rendezvous_port(self) -> int:
+        """The port our ranks' device processes meet on, chosen by rank 0 and told to the others over a
+        gloo group of vLLM's worker processes (vLLM's own init method: they all have it)."""
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo",
+            init_method=self.distributed_init_method,
+            rank=self.rank,
+            world_size=self.tp_size,
+            timeout=timedelta(seconds=120),
+        )
+        try:
+            box = [free_port() if self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            return int(box[0])
+        finally:
+            dist.destroy_process_group()
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        """Start this rank's device (it loads the checkpoint vLLM was given with our Llama loader)."""
+        config = engine_config(self.vllm_config, self.options, rank=self.rank)
+        self.model = model = load_model_config(config.model)
+        self.config = config = check_before_device_start(config, model)
+        group = None
+        if self.tp_size > 1:
+            assert self._port is not None
+            group = TensorParallelGroup(self.rank, self.tp_size, self._port, collective_timeout_s(config))
+        factory = StepProgramFactory(model_spec(config), relay_width(config), group)
+        with device_process_allowed():
+            self.runtime = start_rank(config, factory, warmup_calls(config, model.vocab_size))
+        self.tracer = Tracer(config.trace_path)
+        self.tracer.observe(self.counter)
+        self.runner = ModelRunner(config, self.runtime, vocab_size=model.vocab_size, rank=self.rank, tracer=self.tracer)
+        self.translator = BatchTranslator(config.max_num_seqs, config.max_model_len, config.seed)
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """One full-attention spec per layer, this rank's KV heads: vLLM's block accounting only."""
+        spec = FullAttentionSpec(
+            block_size=self.cache_config.block_size,
+            num_kv_heads=self.model.num_key_value_heads // self.tp_size,
+            head_size=self.model.head_dim,
+            dtype=TORCH_DTYPES[self.config.dtype],
+        )
+        return {f"model.layers.{i}.self_attn.attn": spec for i in range(self.model.num_hidden_layers)}
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        return [KV_CACHE_LAYOUT]  # the base asks vLLM's attention backends, of which we have none
+
+    def determine_available_memory(self) -> int:
+        """Bytes for exactly our device's capacity in vLLM's blocks: max_num_seqs slots of
+        max_model_len positions, plus the null block vLLM's block pool holds back. vLLM then never
+        admits more than our slots hold; fewer blocks (num_gpu_blocks_override) force preemption."""
+        spec = next(iter(self.get_kv_cache_spec().values()))
+        blocks_per_slot = -(-self.config.max_model_len // spec.block_size)
+        num_blocks = self.config.max_num_seqs * blocks_per_slot + 1
+        return num_blocks * spec.page_size_bytes * self.model.num_hidden_layers
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        self.num_blocks = kv_cache_config.num_blocks
+        logger.info("rank %d: vLLM's KV cache: %d blocks", self.rank, self.num_blocks)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(language_model=0.0, encoder=0.0)  # warmed up when the device started
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    # -- the step -----------------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output) -> VllmModelRunnerOutput | None:
+        """Run vLLM's step as ours; None asks vLLM for sample_tokens(). An empty step returns an empty
+        output (vLLM treats None there as a failure) and reaches our runner with its next step."""
+        step = self.translator.translate(scheduler_output)
+        if step is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        last = self._last_output
+        if last is not None and last.materialize_count == 0:
+            self.overlapped_steps += 1  # vLLM has not read the previous step yet: one step in flight
+        self._step = step
+        self.runner.execute_model(step)
+        self._maybe_log_stats()
+        return None
+
+    def sample_tokens(self, grammar_output) -> VllmModelRunnerOutput | VllmAsyncModelRunnerOutput:
+        if grammar_output is not None:
+            raise NotImplementedError("neuron_async_sm: structured outputs are not supported")
+        step, self._step = self._step, None
+        assert step is not None, "sample_tokens() without a step"
+        output = self.runner.sample_tokens()
+        if isinstance(output, ModelRunnerOutput):  # sync mode, output rank: the tokens are here
+            return vllm_output(output, step.sampling_req_ids)
+        if not self.runner.use_async_scheduling:
+            return EMPTY_MODEL_RUNNER_OUTPUT  # sync mode, another rank: vLLM drops it unread
+        self._last_output = output
+        # On a non-output rank vLLM never calls get_output(): our runner feeds its future forward.
+        return VllmAsyncOutput(output, step.sampling_req_ids)
+
+    # -- observability and shutdown -----------------------------------------------------------------
+
+    def neuron_async_sm_stats(self) -> dict:
+        """This rank's counters (`LLM.collective_rpc("neuron_async_sm_stats")`)."""
+        stats = {
+            "rank": self.rank,
+            "async_scheduling": self.runner.use_async_scheduling,
+            "outputs_created": self.counter.created,
+            "outputs_materialized": self.counter.materialized,
+            "overlapped_steps": self.overlapped_steps,
+            "kv_cache_blocks": self.num_blocks,
+            "free_kv_slots": self.translator.num_free_slots,
+        }
+        if self.runner.use_async_scheduling:
+            stats.update(self.runner.machine.counters())
+        return stats
+
+    def _maybe_log_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= STATS_LOG_INTERVAL_S:
+            self._last_log = now
+            logger.info("neuron_async_sm worker stats: %s", self.neuron_async_sm_stats())
+
+    def check_health(self) -> None:
+        reason = getattr(self.runtime, "down_reason", None)
+        if reason:
+            raise RuntimeError(f"neuron_async_sm rank {self.rank}: device down: {reason}")
+
+    def shutdown(self) -> None:
+        runtime = getattr(self, "runtime", None)
+        if runtime is not None:
+            logger.info("neuron_async_sm worker stats: %s", self.neuron_async_sm_stats())
+            runtime.close()
+            self.runtime = None
+        tracer = getattr(self, "tracer", None)
+        if tracer is not None:
+            tracer.close()
