@@ -1,0 +1,101 @@
+"""Running vLLM cases for tests/vllm: each in its own process group, under a hard timeout.
+
+vLLM's start-up RPCs have no timeout (a worker that dies early leaves the engine waiting forever), so
+every case is a subprocess (tests/vllm/run_case.py) killed with its whole process group when late.
+The environment is the plugin lane's: our plugin named in VLLM_PLUGINS (never VLLM_TARGET_DEVICE=cpu,
+which disables every out-of-tree plugin), the Hugging Face hub offline.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_CASE = REPO / "tests" / "vllm" / "run_case.py"
+OUR_PLATFORM = "neuron_async_sm.vllm_plugin.platform.NeuronAsyncSMPlatform"
+
+
+def _have_vllm() -> bool:
+    """vLLM is installed. Not just `find_spec("vllm")`: with tests/ on the path, tests/vllm is a namespace
+    package of that name (a real package anywhere on the path wins over it, so in the lane it is vLLM)."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin not in (None, "namespace")
+
+
+HAVE_VLLM = _have_vllm()
+
+needs_vllm = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed here; run .ci/vllm-lane (its own environment)"),
+]
+
+
+def vllm_env(**overrides: str | None) -> dict[str, str]:
+    """The lane's environment; a None override removes the variable."""
+    env = dict(os.environ)
+    env.pop("VLLM_TARGET_DEVICE", None)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        VLLM_PLUGINS="neuron_async_sm",
+        TOKENIZERS_PARALLELISM="false",
+        # this checkout first: the entry point resolves our package through sys.path
+        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")]),
+    )
+    for name, value in overrides.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    data: dict
+    seconds: float
+    log: str
+
+
+def run_case(tmp_path: Path, case: str, args: dict, *, timeout_s: float = 300, **env: str | None) -> CaseResult:
+    """Run one case; its log is printed on failure and kept next to its output."""
+    out = tmp_path / f"{case}-{time.monotonic_ns()}.json"
+    log_path = out.with_suffix(".log")
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(RUN_CASE), case, json.dumps(args), str(out)],
+            cwd=tmp_path,
+            env=vllm_env(**env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: the engine core and workers die with it
+        )
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # stragglers (a worker that outlived the engine)
+            except ProcessLookupError:
+                pass
+    seconds = time.monotonic() - started
+    text = log_path.read_text(errors="replace")
+    if rc != 0:
+        tail = "\n".join(text.splitlines()[-60:])
+        what = f"timed out after {timeout_s:.0f} s" if rc is None else f"exited {rc}"
+        pytest.fail(f"vLLM case {case!r} {what}:\n{tail}")
+    print(f"vLLM case {case}: {seconds:.1f} s")
+    return CaseResult(json.loads(out.read_text()), seconds, text)

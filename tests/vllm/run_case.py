@@ -1,0 +1,111 @@
+"""One vLLM case in its own process: `python run_case.py CASE ARGS_JSON OUT_JSON`.
+
+Run by tests/vllm (harness.run_case) under a hard timeout: vLLM's start-up RPCs wait forever when
+a worker dies early. The case writes what it saw (platform, tokens, our workers' counters) to
+OUT_JSON; the test asserts. Every engine runs vLLM's own LLM / LLMEngine; nothing of ours is mocked.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+
+
+def case_platform(args: dict) -> dict:
+    """Which platform vLLM resolved in this process (VLLM_PLUGINS decides whether ours is active)."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    return {"platform": f"{cls.__module__}.{cls.__qualname__}", "out_of_tree": current_platform.is_out_of_tree()}
+
+
+def _params(raw: dict):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=raw["max_tokens"],
+        temperature=raw.get("temperature", 0.0),
+        seed=raw.get("seed"),
+        stop_token_ids=raw.get("stop_token_ids", []),
+        ignore_eos=raw.get("ignore_eos", True),
+    )
+
+
+def _engine(ckpt: str, run: dict):
+    import torch
+    from vllm import LLM
+
+    dtype = run.get("dtype", "float32")
+    return LLM(
+        model=ckpt,
+        dtype=torch.float64 if dtype == "float64" else dtype,  # vLLM's dtype strings stop at float32
+        max_num_seqs=run.get("max_num_seqs", 4),
+        max_model_len=run.get("max_model_len", 64),
+        max_num_batched_tokens=run.get("max_num_batched_tokens", 64),
+        async_scheduling=run["async"],
+        tensor_parallel_size=run.get("tp", 1),
+        distributed_executor_backend=run.get("backend"),
+        num_gpu_blocks_override=run.get("num_gpu_blocks"),
+        additional_config={"neuron_async_sm": run.get("options", {})},
+        seed=0,
+        disable_log_stats=True,
+    )
+
+
+def drive(llm, workload: list[dict]) -> dict:
+    """Requests arrive and are aborted at given engine steps; returns each request's tokens and finish."""
+    engine = llm.llm_engine
+    pending = sorted(workload, key=lambda item: item.get("arrival", 0))
+    aborts = {item["id"]: item["abort"] for item in workload if item.get("abort") is not None}
+    results: dict[str, dict] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0].get("arrival", 0) <= step:
+            item = pending.pop(0)
+            engine.add_request(item["id"], {"prompt_token_ids": item["prompt"]}, _params(item["params"]))
+        due = [req_id for req_id, at in aborts.items() if at == step]
+        if due:
+            engine.abort_request(due)
+        for out in engine.step():
+            results[out.request_id] = {
+                "tokens": list(out.outputs[0].token_ids),
+                "finish_reason": out.outputs[0].finish_reason,
+                "finished": out.finished,
+            }
+        step += 1
+        if step > 10_000:
+            raise RuntimeError("the workload did not finish in 10000 engine steps")
+    return results
+
+
+def case_runs(args: dict) -> dict:
+    """Each run (an engine configuration) drives the same workload on a fresh engine, one after another."""
+    results = {}
+    for run in args["runs"]:
+        started = time.monotonic()
+        llm = _engine(args["ckpt"], run)
+        built = time.monotonic()
+        outputs = drive(llm, args["workload"])
+        stats = llm.collective_rpc("neuron_async_sm_stats")
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        results[run["name"]] = {
+            "outputs": outputs,
+            "stats": stats,
+            "start_s": built - started,
+            "run_s": time.monotonic() - built,
+        }
+    return results
+
+
+CASES = {"platform": case_platform, "runs": case_runs}
+
+
+if __name__ == "__main__":
+    case, raw_args, out_path = sys.argv[1:4]
+    result = CASES[case](json.loads(raw_args))
+    with open(out_path, "w", encoding="utf-8") as out:
+        json.dump(result, out)
