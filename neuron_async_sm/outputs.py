@@ -16,6 +16,10 @@ class NewRequestData:
     sampling_params: SamplingParams
     seed: int
     kv_slot: int
+    # The last tokens of prompt_token_ids that an earlier run of this request produced (a preempted
+    # request restarted from its tokens, under vLLM): its output indices, which seed its sampling,
+    # continue from there. 0 for a request's first run.
+    num_output_tokens: int = 0
 
 
 @dataclass(frozen=True)

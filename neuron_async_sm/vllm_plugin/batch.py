@@ -81,6 +81,7 @@ class BatchTranslator:
         self.held: dict[str, HeldRequest] = {}  # those our runner holds, with their slot
         self._leaving: set[str] = set()  # released since our runner's last step: it drops them next
         self._next_step_id = 0
+        self.restarts = 0  # preempted requests restarted (their outputs recomputed as prompt)
 
     @property
     def num_free_slots(self) -> int:
@@ -152,9 +153,10 @@ class BatchTranslator:
         num_outputs = len(tokens) - known.num_prompt_tokens  # already produced before a preemption
         params = known.params
         if num_outputs:
+            self.restarts += 1
             remaining = max(1, params.max_tokens - num_outputs)
             params = SamplingParams(remaining, params.temperature, params.top_k, params.top_p)
-        return NewRequestData(req_id, list(tokens), params, known.seed, slot)
+        return NewRequestData(req_id, list(tokens), params, known.seed, slot, num_outputs)
 
     def _release(self, req_id: str) -> None:
         held = self.held.pop(req_id, None)

@@ -243,6 +243,7 @@ class NeuronAsyncSMWorker(WorkerBase):
             "overlapped_steps": self.overlapped_steps,
             "kv_cache_blocks": self.num_blocks,
             "free_kv_slots": self.translator.num_free_slots,
+            "restarts": self.translator.restarts,
         }
         if self.runner.use_async_scheduling:
             stats.update(self.runner.machine.counters())

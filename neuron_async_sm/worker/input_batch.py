@@ -30,6 +30,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     seed: int
     kv_slot: int  # the request's index into the batch's arrays while it lives there
+    num_output_tokens: int = 0  # outputs already in prompt_token_ids (a restarted request): NewRequestData's
     _batch: InputBatch | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -99,6 +100,7 @@ class InputBatch:
         self.top_k = np.zeros(max_num_seqs, dtype=np.int32)  # [slots]
         self.top_p = np.ones(max_num_seqs, dtype=np.float32)  # [slots]
         self.seeds = np.zeros(max_num_seqs, dtype=np.int64)  # [slots]
+        self.output_base = np.zeros(max_num_seqs, dtype=np.int64)  # [slots] outputs already in the prompt
         # The write-back's views of the same memory: a memoryview item write is plain Python (tens of
         # ns), where a numpy scalar write or a scatter's dozen calls cost microseconds each on the
         # engine's threads, whose caches the device's program has just evicted (measured in the engine
@@ -136,6 +138,7 @@ class InputBatch:
         self.top_k[slot] = params.top_k
         self.top_p[slot] = params.top_p
         self.seeds[slot] = state.seed
+        self.output_base[slot] = state.num_output_tokens
         state._batch = self
         self.requests[state.request_id] = state
         self._slot_of[state.request_id] = slot

@@ -114,7 +114,8 @@ class RowInputs:
     num_prompt: np.ndarray  # int64 [R]
     # The decode step's per-row constants, as Python ints (it is built with map(), no numpy):
     token_offsets: tuple[int, ...]  # [R] where each row's tokens start in InputBatch.token_flat
-    output_index_offsets: tuple[int, ...]  # [R] 1 - num_prompt: a decode's output index is start + this
+    output_index_offsets: tuple[int, ...]  # [R] 1 - num_prompt + output_base: a decode's output index is start + this
+    output_base: np.ndarray  # int64 [R] outputs already in the prompt (a restarted request)
     decode_query_lens: torch.Tensor  # int32 [B]: 1 per real row, 0 per padding row
     slot_ids: torch.Tensor  # int32 [B]; padding rows use the scratch slot
     temperature: torch.Tensor  # float32 [B]
@@ -171,7 +172,8 @@ def row_inputs(
         num_padded=num_padded,
         num_prompt=batch.num_prompt_tokens[slots],
         token_offsets=tuple((slots * batch.max_model_len).tolist()),
-        output_index_offsets=tuple((1 - batch.num_prompt_tokens[slots]).tolist()),
+        output_index_offsets=tuple((1 - batch.num_prompt_tokens[slots] + batch.output_base[slots]).tolist()),
+        output_base=batch.output_base[slots],
         decode_query_lens=fixed["query_lens"],
         slot_ids=fixed["slot_ids"],
         temperature=fixed["temperature"],
@@ -222,7 +224,7 @@ def build_model_input(
         else:
             ids = array("i", map(batch.token_flat.__getitem__, map(add, rows.token_offsets, start)))  # [B]
         pos = array("i", start)  # [B]
-        output_index = array("q", map(add, start, rows.output_index_offsets))  # [B]: end - num_prompt
+        output_index = array("q", map(add, start, rows.output_index_offsets))  # [B]: end - num_prompt + output_base
         if num_padded > num_rows:
             pad = [0] * (num_padded - num_rows)
             ids.extend(pad)
@@ -279,6 +281,6 @@ def build_model_input(
         top_k=rows.top_k,
         top_p=rows.top_p,
         seeds=rows.seeds,
-        output_index=_padded(np.maximum(end - num_prompt, 0), num_padded, 0, np.int64),
+        output_index=_padded(np.maximum(end - num_prompt, 0) + rows.output_base, num_padded, 0, np.int64),
         encoded={k: v for k, v in rows.decode_encoded.items() if k != "query_lens"},  # a prefill's are per step
     )

@@ -257,7 +257,9 @@ class ModelRunner:
 
     def _update_states(self, scheduled: SchedulerOutput) -> None:
         added = [
-            CachedRequestState(n.request_id, list(n.prompt_token_ids), n.sampling_params, n.seed, n.kv_slot)
+            CachedRequestState(
+                n.request_id, list(n.prompt_token_ids), n.sampling_params, n.seed, n.kv_slot, n.num_output_tokens
+            )
             for n in scheduled.scheduled_new_reqs
         ]
         with self._state_lock:

@@ -68,6 +68,10 @@ def drive(llm, workload: list[dict]) -> dict:
         due = [req_id for req_id, at in aborts.items() if at == step]
         if due:
             engine.abort_request(due)
+            for req_id in due:  # an aborted request produces no final output: its tokens so far
+                seen = results.setdefault(req_id, {"tokens": [], "finished": False})
+                if not seen["finished"]:
+                    seen.update(finish_reason="abort", finished=True)
         for out in engine.step():
             results[out.request_id] = {
                 "tokens": list(out.outputs[0].token_ids),

@@ -120,3 +120,60 @@ def test_greedy_tokens_equal_our_engine_and_transformers_async_and_sync_uni_and_
             assert overlapped == stats["outputs_created"] - 1 if run["backend"] == "uni" else overlapped >= 1, stats
             assert stats["async_steps"] > stats["sync_fallback_steps"], (run["name"], stats)
         print(run["name"], f"start {got['start_s']:.1f} s, run {got['run_s']:.2f} s", stats)
+
+
+# -- (c) async == sync under churn, preemption forced ---------------------------------------------
+
+CHURN_BLOCKS = 9  # vLLM's KV blocks of 16 positions (one held back): 8 x 16 = 128 positions for 4 slots of 64
+
+
+def churn_workload(stop_token: int) -> list[dict]:
+    """Arrivals over time, a stop token, an abort, seeded random sampling; long enough that four
+    running requests outgrow CHURN_BLOCKS and vLLM preempts."""
+    lengths = (6, 21, 12, 30, 9, 17, 25, 8)
+    items = []
+    for i, n in enumerate(lengths):
+        prompt = [1, *[3 + (11 * i + 3 * k) % 61 for k in range(n - 1)]]
+        extra: dict = {"arrival": (0, 0, 0, 2, 5, 9, 14, 20)[i]}
+        if i not in (0, 4):
+            extra.update(temperature=0.8, seed=100 + i)
+        if i == 4:
+            extra["stop_token_ids"] = [stop_token]
+        if i == 5:
+            extra["abort"] = 12
+        items.append(item(f"r{i}", prompt, 24 + (i % 3) * 4, **extra))
+    return items
+
+
+def check_churn(result: dict, workload: list[dict], expected: dict[str, list[int]]) -> None:
+    for w in workload:
+        got = result["outputs"][w["id"]]
+        if w.get("abort") is not None:
+            assert got["finish_reason"] == "abort", got
+            assert got["tokens"] == expected[w["id"]][: len(got["tokens"])], w["id"]
+        else:
+            assert got["tokens"] == expected[w["id"]], w["id"]
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"], ids=["model-runner-v1", "model-runner-v2"])
+def test_async_equals_sync_under_churn_and_preemption(ckpt, tmp_path, runner):
+    probe = ours(ckpt, [item("p", [1, 3, 14, 25, 36, 47, 58, 8, 19], 24)], dtype="float64")["p"]
+    workload = churn_workload(stop_token=probe[5])
+    workload[4]["prompt"] = [1, 3, 14, 25, 36, 47, 58, 8, 19]  # r4 stops at its sixth token
+    expected = ours(ckpt, workload, dtype="float64", async_scheduling=False)
+    assert len(expected["r4"]) == 6 and expected["r4"][-1] == probe[5]
+    common = {"dtype": "float64", "max_num_batched_tokens": 16, "num_gpu_blocks": CHURN_BLOCKS}
+    runs = [{"name": mode, "async": mode == "async", **common} for mode in ("async", "sync")]
+    result = run_case(
+        tmp_path,
+        "runs",
+        {"ckpt": ckpt, "workload": workload, "runs": runs},
+        VLLM_USE_V2_MODEL_RUNNER="1" if runner == "v2" else "0",
+    )
+    for run in runs:
+        got = result.data[run["name"]]
+        check_churn(got, workload, expected)
+        (stats,) = got["stats"]
+        assert stats["restarts"] > 0, f"{run['name']}: vLLM never preempted: {stats}"
+        print(runner, run["name"], f"start {got['start_s']:.1f} s, run {got['run_s']:.2f} s", stats)
+    assert tokens_of(result.data["async"]) == tokens_of(result.data["sync"])
