@@ -33,6 +33,9 @@ def _have_vllm() -> bool:
 
 
 HAVE_VLLM = _have_vllm()
+# The lane sets it: there a missing vLLM is a broken environment, not a reason to skip.
+if os.environ.get("NEURON_ASYNC_SM_REQUIRE_VLLM") == "1" and not HAVE_VLLM:
+    raise RuntimeError("NEURON_ASYNC_SM_REQUIRE_VLLM=1 but vllm is not importable in this environment")
 
 needs_vllm = [
     pytest.mark.vllm,

@@ -177,3 +177,69 @@ def test_async_equals_sync_under_churn_and_preemption(ckpt, tmp_path, runner):
         assert stats["restarts"] > 0, f"{run['name']}: vLLM never preempted: {stats}"
         print(runner, run["name"], f"start {got['start_s']:.1f} s, run {got['run_s']:.2f} s", stats)
     assert tokens_of(result.data["async"]) == tokens_of(result.data["sync"])
+
+
+# -- (d) the seed's scenario counters under vLLM --------------------------------------------------
+
+SCENARIOS = {
+    # One request, prompt 8, decode buckets (4, 8): the prefill with nothing pending, then the first
+    # decode's future is [1] (a prefill's rows are not padded) against a padded [4] input: one fallback
+    # (the design's ShapeMismatchRebuild; the relay's Relay), then Steady.
+    "single request": (
+        [item("a", [1, *range(10, 17)], 10)],
+        {"decode_buckets": [4, 8]},
+        {False: [NP, SM] + [S] * 8, True: [NP, R] + [S] * 8},
+    ),
+    # A 40-token prompt under a 16-token budget: three chunks; a prompt chunk never takes the future.
+    "chunked prefill": (
+        [item("a", [1, *(3 + k % 60 for k in range(39))], 4)],
+        {"prefill_buckets": [16], "decode_buckets": [1, 2, 4, 8]},
+        {False: [NP, SM, SM, S, S, S]},
+    ),
+}
+
+
+def test_the_seeds_scenario_counters_hold_under_vllm(ckpt, tmp_path):
+    runs = []
+    for name, (workload, options, by_relay) in SCENARIOS.items():
+        for relay in by_relay:
+            runs.append(
+                {
+                    "name": f"{name}, relay {'on' if relay else 'off'}",
+                    "async": True,
+                    "workload": workload,
+                    "max_num_batched_tokens": 16 if name == "chunked prefill" else 64,
+                    "options": {**options, "async_relay": relay},
+                }
+            )
+    result = run_case(tmp_path, "runs", {"ckpt": ckpt, "workload": [], "runs": runs})
+    for run in runs:
+        name, relay = run["name"].split(", relay ")
+        paths = SCENARIOS[name][2][relay == "on"]
+        (stats,) = result.data[run["name"]]["stats"]
+        async_steps = paths.count(S) + paths.count(R)
+        assert stats["state_counts"] == {p: paths.count(p) for p in PATHS}, run["name"]
+        assert (stats["async_steps"], stats["sync_fallback_steps"]) == (async_steps, len(paths) - async_steps)
+        (out,) = result.data[run["name"]]["outputs"].values()
+        assert len(out["tokens"]) == run["workload"][0]["params"]["max_tokens"]
+
+
+# -- (e) tensor parallelism under vLLM's mp executor ----------------------------------------------
+
+
+def test_tp2_under_vllms_mp_executor_gives_tp1_tokens_and_rank1_materializes_nothing(ckpt, tmp_path):
+    workload = [item(str(i), prompt, 16, arrival=i) for i, prompt in enumerate(PROMPTS)]
+    runs = [{"name": f"tp{tp}", "async": True, "backend": "mp", "tp": tp, "dtype": "float64"} for tp in (1, 2)]
+    result = run_case(tmp_path, "runs", {"ckpt": ckpt, "workload": workload, "runs": runs})
+    tp1, tp2 = result.data["tp1"], result.data["tp2"]
+    assert tokens_of(tp2) == tokens_of(tp1)
+    assert all(len(tokens) == 16 for tokens in tokens_of(tp2).values())
+    rank0, rank1 = tp2["stats"]
+    assert (rank0["rank"], rank1["rank"]) == (0, 1)
+    # Both ranks ran every step on the same path; only the output rank (vLLM's and ours: rank 0)
+    # brought a step's tokens to the host. vLLM never reads rank 1's outputs, and our runner there
+    # only feeds its futures forward.
+    assert rank1["state_counts"] == rank0["state_counts"]
+    assert rank1["outputs_created"] == rank0["outputs_created"] == rank0["outputs_materialized"] > 0
+    assert rank1["outputs_materialized"] == 0
+    print(f"tp1 start {tp1['start_s']:.1f} s, tp2 start {tp2['start_s']:.1f} s", rank0, rank1)
