@@ -1,0 +1,138 @@
+"""`vllm serve <checkpoint>` with our plugin answers the official `openai` client (the plugin lane).
+
+The server is vLLM's own CLI on a fresh 127.0.0.1 port, in its own process group, killed with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support.serve_harness import free_port, write_text_model
+from support.vllm_harness import needs_vllm, vllm_env
+
+pytestmark = needs_vllm
+
+START_TIMEOUT_S = 180.0
+PROMPT = "w3 w14 w25 w36 w47"
+
+
+def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of one Prometheus metric's samples whose labels include `labels`."""
+    _, text = get(f"{url}/metrics")
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[tuple[str, str]]:
+    """`vllm serve` on a fresh port; yields (base url, model name). One running request at a time."""
+    folder = tmp_path_factory.mktemp("serve")
+    ckpt = str(write_text_model(folder / "ckpt", model_type="llama", torch_dtype="float32"))
+    port = free_port()
+    argv = [
+        str(Path(sys.executable).parent / "vllm"),
+        "serve",
+        ckpt,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        "1",
+        "--max-model-len",
+        "64",
+        "--additional-config",
+        json.dumps({"neuron_async_sm": {"device_time_ms": 20}}),  # a stream long enough to leave mid-way
+    ]
+    log_path = folder / "server.log"
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        # fork: vLLM's CLI would spawn its workers, each importing vLLM again (~15 s each)
+        env = vllm_env(VLLM_WORKER_MULTIPROC_METHOD="fork")
+        proc = subprocess.Popen(argv, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited {proc.returncode}:\n{log_path.read_text()[-6000:]}")
+            if time.monotonic() - started > START_TIMEOUT_S:
+                pytest.fail(f"vllm serve not ready in {START_TIMEOUT_S:.0f} s:\n{log_path.read_text()[-6000:]}")
+            try:
+                status, body = get(f"{url}/v1/models", timeout=2)
+            except OSError:
+                status, body = 0, ""
+            # Our server, not another process on a recycled port: it serves this checkpoint.
+            if status == 200 and json.loads(body)["data"][0]["id"] == ckpt:
+                break
+            time.sleep(0.5)
+        print(f"vllm serve ready in {time.monotonic() - started:.1f} s")
+        yield url, ckpt
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def client(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_vllm_serve_answers_the_openai_client_streaming_and_not(server):
+    url, model = server
+    openai = client(url)
+    params = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    whole = openai.completions.create(**params)
+    assert whole.usage.completion_tokens == 8 and whole.choices[0].finish_reason == "length"
+    pieces = [chunk.choices[0].text for chunk in openai.completions.create(**params, stream=True) if chunk.choices]
+    assert "".join(pieces) == whole.choices[0].text
+    assert len(whole.choices[0].text.split()) == 8  # one word per token (a whitespace word-level vocabulary)
+    assert metric(url, "vllm:num_requests_running") == 0
+
+
+def test_a_client_leaving_mid_stream_frees_its_request(server):
+    url, model = server
+    openai = client(url)
+    tokens_before = metric(url, "vllm:generation_tokens_total")
+    stream = openai.completions.create(
+        model=model, prompt=PROMPT, max_tokens=50, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()  # the client leaves with ~47 tokens to go (a second or more at 20 ms a step)
+    deadline = time.monotonic() + 30
+    while metric(url, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "the request its client left is still running"
+        time.sleep(0.2)
+    time.sleep(1.5)  # had it gone on, it would produce its 50 tokens by now
+    produced = metric(url, "vllm:generation_tokens_total") - tokens_before
+    assert produced < 25, f"the request ran on after its client left: {produced:.0f} tokens"
+    # One running request at a time (--max-num-seqs 1): the next one runs only if the slot was freed.
+    after = openai.completions.create(model=model, prompt=PROMPT, max_tokens=4, extra_body={"ignore_eos": True})
+    assert after.usage.completion_tokens == 4
