@@ -34,11 +34,13 @@ from neuron_async_sm.outputs import ModelRunnerOutput, SchedulerOutput
 from neuron_async_sm.trace import StepObserver, Tracer
 from neuron_async_sm.vllm_plugin.batch import BatchTranslator
 from neuron_async_sm.vllm_plugin.config import PluginOptions, engine_config
-from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput, StepSnapshot
+from neuron_async_sm.vllm_plugin.engine_hooks import EVENTS_ATTR, ORDINAL_ATTR
+from neuron_async_sm.worker.async_output import OUTPUT_THREAD_NAME, AsyncModelRunnerOutput, StepSnapshot
 from neuron_async_sm.worker.model_runner import ModelRunner, relay_width
 
 logger = logging.getLogger("neuron_async_sm")
 
+VLLM_OUTPUT_THREAD = "WorkerAsyncOutputCopy"  # vLLM's mp worker thread that calls get_output() in order
 KV_CACHE_LAYOUT = "LBNHC"  # what vLLM records; our device's cache layout is its own (model/kv_cache.py)
 STATS_LOG_INTERVAL_S = 10.0
 
@@ -124,6 +126,7 @@ class NeuronAsyncSMWorker(WorkerBase):
         self._port: int | None = None
         self._step: SchedulerOutput | None = None
         self._last_output: AsyncModelRunnerOutput | None = None
+        self._step_of: dict[int, int] = {}  # traced runs: vLLM's step ordinal -> our step id
         self._last_log = time.monotonic()
 
     # -- start-up -----------------------------------------------------------------------------------
@@ -166,7 +169,16 @@ class NeuronAsyncSMWorker(WorkerBase):
             self.runtime = start_rank(config, factory, warmup_calls(config, model.vocab_size))
         self.tracer = Tracer(config.trace_path)
         self.tracer.observe(self.counter)
-        self.runner = ModelRunner(config, self.runtime, vocab_size=model.vocab_size, rank=self.rank, tracer=self.tracer)
+        mp = self.parallel_config.distributed_executor_backend == "mp"
+        self.runner = ModelRunner(
+            config,
+            self.runtime,
+            vocab_size=model.vocab_size,
+            rank=self.rank,
+            tracer=self.tracer,
+            # who materializes outputs in order: vLLM's mp worker thread, else vLLM's engine thread
+            output_thread=VLLM_OUTPUT_THREAD if mp else OUTPUT_THREAD_NAME,
+        )
         self.translator = BatchTranslator(config.max_num_seqs, config.max_model_len, config.seed)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -206,9 +218,14 @@ class NeuronAsyncSMWorker(WorkerBase):
     def execute_model(self, scheduler_output) -> VllmModelRunnerOutput | None:
         """Run vLLM's step as ours; None asks vLLM for sample_tokens(). An empty step returns an empty
         output (vLLM treats None there as a failure) and reaches our runner with its next step."""
+        if self.tracer.enabled:
+            self._trace_engine_events(scheduler_output)
         step = self.translator.translate(scheduler_output)
         if step is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        ordinal = getattr(scheduler_output, ORDINAL_ATTR, None)
+        if self.tracer.enabled and ordinal is not None:
+            self._step_of[ordinal] = step.step_id
         last = self._last_output
         if last is not None and last.materialize_count == 0:
             self.overlapped_steps += 1  # vLLM has not read the previous step yet: one step in flight
@@ -232,6 +249,19 @@ class NeuronAsyncSMWorker(WorkerBase):
         return VllmAsyncOutput(output, step.sampling_req_ids)
 
     # -- observability and shutdown -----------------------------------------------------------------
+
+    def _trace_engine_events(self, scheduler_output) -> None:
+        """What vLLM's engine core did since its previous step (engine_hooks.py): steps applied, aborts.
+        Written before this step's own events, the order in which the engine core did them."""
+        for event, fields in getattr(scheduler_output, EVENTS_ATTR, ()):
+            if event == "AdvanceStep":
+                step_id = self._step_of.pop(fields["ordinal"], None)
+                if step_id is not None:  # None: a step our runner never ran (nothing scheduled)
+                    self.tracer.event(
+                        "AdvanceStep", step=step_id, delivered=fields["delivered"], finished=fields["finished"]
+                    )
+            else:
+                self.tracer.event(event, **fields)
 
     def neuron_async_sm_stats(self) -> dict:
         """This rank's counters (`LLM.collective_rpc("neuron_async_sm_stats")`)."""

@@ -74,7 +74,10 @@ class ModelRunner:
         vocab_size: int,
         rank: int = 0,
         tracer: Tracer = Tracer.NONE,
+        output_thread: str = OUTPUT_THREAD_NAME,
     ) -> None:
+        """`output_thread`: the name of the thread that materializes outputs in order, for the trace's
+        header (ours: engine/executor.py's; under vLLM's mp executor, its worker's output-copy thread)."""
         self.config = config
         self.runtime = runtime
         self.rank = rank
@@ -83,6 +86,7 @@ class ModelRunner:
         # on the output rank's input ids instead (broadcast on the device, model/parallel.py).
         self.is_output_rank = rank == OUTPUT_RANK
         self.tracer = tracer
+        self.output_thread = output_thread
         self.use_async_scheduling = config.async_scheduling
         self.vocab_size = vocab_size
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len)
@@ -296,7 +300,7 @@ class ModelRunner:
             async_scheduling=self.config.async_scheduling,
             async_relay=self.config.async_relay,
             engine_thread=threading.current_thread().name,  # the engine loop: it runs every step
-            output_thread=OUTPUT_THREAD_NAME,
+            output_thread=self.output_thread,
         )
 
     def _traced_inputs(self, source: sm.InputSource, model_input: ModelInput) -> list[list]:

@@ -1,0 +1,94 @@
+"""What vLLM's engine core does that our trace needs: applied steps (AdvanceStep) and aborts.
+
+A `vllm.general_plugins` entry point (`install`), loaded by vLLM in its engine-core process, wraps
+three methods of vLLM's `Scheduler` (and so of its `AsyncScheduler`) when our platform is active and
+our trace is on: `update_from_output` records who got a token and who finished why, `finish_requests`
+records aborts, and `schedule` hands what was recorded since its previous call to the workers with
+the step it returns (an attribute of vLLM's SchedulerOutput, pickled along to every rank). The
+output rank's worker writes those records into the trace when that step reaches it: in the engine
+core they happened after the worker's previous step and before this one, the order the trace keeps.
+Observation only: nothing vLLM decides changes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from neuron_async_sm.vllm_plugin import PLATFORM_CLS, register
+from neuron_async_sm.vllm_plugin.config import PluginOptions
+
+EVENTS_ATTR = "neuron_async_sm_events"  # on vLLM's SchedulerOutput: [(event, fields), ...]
+ORDINAL_ATTR = "neuron_async_sm_ordinal"  # on vLLM's SchedulerOutput: its index among the engine's steps
+
+
+def install() -> None:
+    """vLLM calls this in each of its processes; only where our platform is active does it do anything."""
+    if register() != PLATFORM_CLS:
+        return
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if getattr(Scheduler, "_neuron_async_sm_hooked", False):
+        return  # vLLM may load general plugins more than once per process
+    Scheduler._neuron_async_sm_hooked = True
+    Scheduler.schedule = _on_schedule(Scheduler.schedule)
+    Scheduler.update_from_output = _on_update(Scheduler.update_from_output)
+    Scheduler.finish_requests = _on_finish_requests(Scheduler.finish_requests)
+
+
+def _recording(scheduler: Any) -> list | None:
+    """The scheduler's record of events since its last step, or None when our trace is off."""
+    records = getattr(scheduler, "_neuron_async_sm_records", False)
+    if records is False:
+        traced = PluginOptions.of(scheduler.vllm_config.additional_config).trace_path is not None
+        records = [] if traced else None
+        scheduler._neuron_async_sm_records = records
+        scheduler._neuron_async_sm_ordinal = 0
+    return records
+
+
+def _on_schedule(schedule):
+    @functools.wraps(schedule)
+    def wrapper(self, *args, **kwargs):
+        output = schedule(self, *args, **kwargs)
+        records = _recording(self)
+        if records is not None:
+            setattr(output, ORDINAL_ATTR, self._neuron_async_sm_ordinal)
+            setattr(output, EVENTS_ATTR, list(records))
+            self._neuron_async_sm_ordinal += 1
+            records.clear()
+        return output
+
+    return wrapper
+
+
+def _on_update(update_from_output):
+    @functools.wraps(update_from_output)
+    def wrapper(self, scheduler_output, model_runner_output):
+        outputs = update_from_output(self, scheduler_output, model_runner_output)
+        records = _recording(self)
+        ordinal = getattr(scheduler_output, ORDINAL_ATTR, None)
+        if records is not None and ordinal is not None and scheduler_output.total_num_scheduled_tokens:
+            delivered, finished = [], []
+            for engine_outputs in outputs.values():
+                for out in engine_outputs.outputs:
+                    if out.new_token_ids:
+                        delivered.append(out.request_id)
+                    if out.finish_reason is not None:
+                        finished.append([out.request_id, str(out.finish_reason)])
+            records.append(("AdvanceStep", {"ordinal": ordinal, "delivered": delivered, "finished": finished}))
+        return outputs
+
+    return wrapper
+
+
+def _on_finish_requests(finish_requests):
+    @functools.wraps(finish_requests)
+    def wrapper(self, request_ids, finished_status):
+        finished = finish_requests(self, request_ids, finished_status)
+        records = _recording(self)
+        if records is not None and str(finished_status) == "FINISHED_ABORTED":
+            records.extend(("Abort", {"req_id": request.request_id}) for request in finished)
+        return finished
+
+    return wrapper
