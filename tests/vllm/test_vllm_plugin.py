@@ -229,7 +229,12 @@ def test_the_seeds_scenario_counters_hold_under_vllm(ckpt, tmp_path):
 
 def test_tp2_under_vllms_mp_executor_gives_tp1_tokens_and_rank1_materializes_nothing(ckpt, tmp_path):
     workload = [item(str(i), prompt, 16, arrival=i) for i, prompt in enumerate(PROMPTS)]
-    runs = [{"name": f"tp{tp}", "async": True, "backend": "mp", "tp": tp, "dtype": "float64"} for tp in (1, 2)]
+    # Relay off: a step that breaks the async flow materializes on the step's thread, on the output rank only.
+    options = {"async_relay": False}
+    runs = [
+        {"name": f"tp{tp}", "async": True, "backend": "mp", "tp": tp, "dtype": "float64", "options": options}
+        for tp in (1, 2)
+    ]
     result = run_case(tmp_path, "runs", {"ckpt": ckpt, "workload": workload, "runs": runs})
     tp1, tp2 = result.data["tp1"], result.data["tp2"]
     assert tokens_of(tp2) == tokens_of(tp1)
@@ -242,4 +247,5 @@ def test_tp2_under_vllms_mp_executor_gives_tp1_tokens_and_rank1_materializes_not
     assert rank1["state_counts"] == rank0["state_counts"]
     assert rank1["outputs_created"] == rank0["outputs_created"] == rank0["outputs_materialized"] > 0
     assert rank1["outputs_materialized"] == 0
+    assert rank0["state_counts"]["CompositionBreak"] > 0  # breaks that rank 0 materialized and rank 1 did not
     print(f"tp1 start {tp1['start_s']:.1f} s, tp2 start {tp2['start_s']:.1f} s", rank0, rank1)
