@@ -1,7 +1,7 @@
-"""Running vLLM cases for tests/vllm: each in its own process group, under a hard timeout.
+"""Running vLLM cases for tests/under_vllm: each in its own process group, under a hard timeout.
 
 vLLM's start-up RPCs have no timeout (a worker that dies early leaves the engine waiting forever), so
-every case is a subprocess (tests/vllm/run_case.py) killed with its whole process group when late.
+every case is a subprocess (tests/under_vllm/run_case.py) killed with its whole process group when late.
 The environment is the plugin lane's: our plugin named in VLLM_PLUGINS (never VLLM_TARGET_DEVICE=cpu,
 which disables every out-of-tree plugin), the Hugging Face hub offline.
 """
@@ -21,13 +21,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-RUN_CASE = REPO / "tests" / "vllm" / "run_case.py"
+RUN_CASE = REPO / "tests" / "under_vllm" / "run_case.py"
 OUR_PLATFORM = "neuron_async_sm.vllm_plugin.platform.NeuronAsyncSMPlatform"
 
 
 def _have_vllm() -> bool:
-    """vLLM is installed. Not just `find_spec("vllm")`: with tests/ on the path, tests/vllm is a namespace
-    package of that name (a real package anywhere on the path wins over it, so in the lane it is vLLM)."""
+    """vLLM is installed (a real package: a stray `vllm` folder on the path would be a namespace one)."""
     spec = importlib.util.find_spec("vllm")
     return spec is not None and spec.origin not in (None, "namespace")
 

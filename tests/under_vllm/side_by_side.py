@@ -1,7 +1,7 @@
 """The same workload through vLLM's engine with our worker and through our own engine (docs/benchmarks.md).
 
 Run in the vLLM lane's environment: `VLLM_PLUGINS=neuron_async_sm HF_HUB_OFFLINE=1 $venv/bin/python
-tests/vllm/side_by_side.py [--reps 3] [--device-time-ms 0]`. Four engines are built once (vLLM async,
+tests/under_vllm/side_by_side.py [--reps 3] [--device-time-ms 0]`. Four engines are built once (vLLM async,
 vLLM sync, ours async, ours sync), all on tiny-llama written as a checkpoint, the emulated device
 process, the same max_num_seqs, and take turns on the workload (alternating runs, after one warm-up
 each); prints one JSON line per run and the medians.

@@ -1,6 +1,6 @@
 """Our worker under vLLM 0.33's own engine, schedulers and executors (the plugin lane, .ci/vllm-lane).
 
-Each case is a subprocess (tests/vllm/run_case.py) under a hard timeout. References come from our own
+Each case is a subprocess (tests/under_vllm/run_case.py) under a hard timeout. References come from our own
 engine and from transformers on the same checkpoint, computed here.
 """
 

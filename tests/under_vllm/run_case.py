@@ -1,6 +1,6 @@
 """One vLLM case in its own process: `python run_case.py CASE ARGS_JSON OUT_JSON`.
 
-Run by tests/vllm (harness.run_case) under a hard timeout: vLLM's start-up RPCs wait forever when
+Run by tests/under_vllm (harness.run_case) under a hard timeout: vLLM's start-up RPCs wait forever when
 a worker dies early. The case writes what it saw (platform, tokens, our workers' counters) to
 OUT_JSON; the test asserts. Every engine runs vLLM's own LLM / LLMEngine; nothing of ours is mocked.
 """
