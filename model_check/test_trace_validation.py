@@ -208,11 +208,11 @@ def test_trace_of_an_engine_writing_back_by_current_row_fails_an_invariant(tlc_a
     the snapshot. Its trace is rejected by an invariant on the first input that reads a misplaced token."""
     root = mutant_package(
         tmp_path,
-        "worker/model_runner.py",
-        "            self.batch.write_tokens(snapshot.req_ids, snapshot.sample_positions, tokens)\n",
-        "            rows = tuple(self.batch.req_ids)[: len(snapshot.req_ids)]  # MUTANT: by current row\n"
+        "worker/input_batch.py",
+        "            self.write_tokens(snapshot.req_ids, snapshot.sample_positions, tokens)\n",
+        "            rows = self.req_ids[: len(snapshot.req_ids)]  # MUTANT: by current row\n"
         "            owners = rows + snapshot.req_ids[len(rows) :]\n"
-        "            self.batch.write_tokens(owners, snapshot.sample_positions, tokens)\n",
+        "            self.write_tokens(owners, snapshot.sample_positions, tokens)\n",
     )
     for seed in (6, 5, 9, 12, 13):  # SEEDS, 6 first: without its aborts, seed 5's run reads no misplaced token
         verdict = check_trace(record_mutant(root, seed, async_relay=False))

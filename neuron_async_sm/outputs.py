@@ -49,6 +49,20 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class StepSnapshot:
+    """Which request owns each row of one step's sampled tokens, taken when the step is sampled (the
+    design's `_bookkeeping_sync`). Crosses from the worker's main thread to the async output thread.
+
+    The next step may reorder or remove rows; tokens are written back by these request ids, never by
+    current row, so they always reach the request they were sampled for.
+    """
+
+    step_id: int
+    req_ids: tuple[str, ...]  # row i of the step's sampled tokens belongs to req_ids[i]
+    sample_positions: tuple[int | None, ...]  # token position each row samples; None: partial prefill
+
+
+@dataclass(frozen=True)
 class ModelRunnerOutput:
     """Sampled tokens of one step, keyed by the request ids snapshotted when the step was sampled."""
 

@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput, StepSnapshot
+    from neuron_async_sm.outputs import StepSnapshot
 
 _NO_SPAN = nullcontext()
 
@@ -33,9 +33,6 @@ class StepObserver:
     def span(self, name: str) -> AbstractContextManager[object]:
         """Around one phase or wait named in PHASES / WAITS."""
         return _NO_SPAN
-
-    def output_created(self, output: AsyncModelRunnerOutput) -> None:
-        """A step's output was sampled (still a device future in async mode)."""
 
     def write_back(self, snapshot: StepSnapshot, tokens: list[int]) -> None:
         """A step's sampled tokens are about to be written into CPU state, by the snapshot's request ids."""

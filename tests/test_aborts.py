@@ -23,9 +23,9 @@ from support.engine_invariants import (
 )
 
 from neuron_async_sm import LLM, SamplingParams
+from neuron_async_sm.outputs import StepSnapshot
 from neuron_async_sm.trace import StepObserver
 from neuron_async_sm.worker import async_machine as sm
-from neuron_async_sm.worker.async_output import StepSnapshot
 
 DEVICE_TIME_MS = 10  # each program runs at least this long: a step just enqueued is really in flight
 LONG = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -117,7 +117,7 @@ def test_abort_of_a_request_whose_token_the_next_step_would_relay(llm, reference
     for _ in range(3):  # the prefill, then decodes: the pending step samples b's next token
         client.step()
     runner = llm.engine.runner
-    assert runner.buffer is not None and "relay-b" in runner.buffer.req_ids
+    assert runner.pending is not None and "relay-b" in runner.pending.snapshot.req_ids
     relays = runner.machine.state_counts[sm.RELAY]
     client.abort("relay-b")
     client.step()

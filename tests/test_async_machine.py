@@ -53,7 +53,7 @@ def test_machine_and_pure_decision_agree_and_count():
     machine = sm.AsyncStepMachine()
     seq = [obs(pending=False), obs(pshape=(2,)), obs(), obs(), obs(curr=("b", "a")), obs(curr=("a",))]
     for o in seq:
-        assert machine.step(o) == sm.decide(o)
+        assert machine.step(o).dest == sm.decide(o)
         machine.reinstate()
     assert machine.async_steps == 2
     assert machine.sync_fallback_steps == 4
@@ -95,12 +95,9 @@ def test_every_path_state_has_one_plan_and_only_path_states_have_one():
     assert all(isinstance(plan.input_source, sm.InputSource) for plan in sm.PLANS.values())
 
 
-def test_transition_callback_reports_every_transition():
-    seen = []
-    machine = sm.AsyncStepMachine(on_transition=lambda *t: seen.append(t))
-    machine.step(obs(pending=False))
-    machine.reinstate()
-    machine.drain()
+def test_every_trigger_returns_the_transition_it_took():
+    machine = sm.AsyncStepMachine()
+    seen = [machine.step(obs(pending=False)), machine.reinstate(), machine.drain()]
     assert seen == [
         ("step", sm.IDLE, sm.NO_PENDING_FUTURE),
         ("reinstate", sm.NO_PENDING_FUTURE, sm.REINSTATE),

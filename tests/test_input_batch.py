@@ -5,12 +5,18 @@ import random
 import torch
 
 from neuron_async_sm.config import EngineConfig
-from neuron_async_sm.outputs import SchedulerOutput
+from neuron_async_sm.outputs import SchedulerOutput, StepSnapshot
 from neuron_async_sm.runtime import WireTensor
 from neuron_async_sm.sampling_params import SamplingParams
-from neuron_async_sm.worker.async_output import StepSnapshot
-from neuron_async_sm.worker.input_batch import POISON_TOKEN, CachedRequestState, InputBatch, next_row_order
-from neuron_async_sm.worker.model_input import WrittenTokens, _follows, build_model_input, padded_input_shape
+from neuron_async_sm.worker.input_batch import (
+    POISON_TOKEN,
+    CachedRequestState,
+    InputBatch,
+    WrittenTokens,
+    next_row_order,
+    padded_input_shape,
+)
+from neuron_async_sm.worker.model_input import _follows, build_model_input
 
 CONFIG = EngineConfig(
     max_num_seqs=6, max_model_len=48, max_num_batched_tokens=64, decode_buckets=(2, 4, 8), prefill_buckets=(8, 16, 64)
@@ -51,9 +57,13 @@ def reference_inputs(config: EngineConfig, scheduled: SchedulerOutput, batch: In
     return out
 
 
-def build(scheduled: SchedulerOutput, batch: InputBatch):
-    req_ids, slots = batch.scheduled_rows(scheduled.num_scheduled_tokens)
-    return build_model_input(CONFIG, scheduled, batch, req_ids, slots)
+def build(scheduled: SchedulerOutput, batch: InputBatch, config: EngineConfig = CONFIG):
+    return build_model_input(config, scheduled, batch, batch.plan(scheduled, config))
+
+
+def admit(batch: InputBatch, removed: frozenset[str], added: list[CachedRequestState]) -> None:
+    """Requests leave and join the batch between steps (a step's rows, as `plan()` works them out)."""
+    batch.update(batch.rows_after(removed, added))
 
 
 def state(req_id: str, prompt: list[int], slot: int, **params) -> CachedRequestState:
@@ -84,10 +94,10 @@ def test_vectorized_inputs_equal_the_per_request_reference_through_adds_removes_
             }
             added.append(state(req_id, [rng.randrange(3, 90) for _ in range(rng.randint(1, 20))], slot, **params))
             computed[req_id] = 0
-        assert next_row_order(batch.req_ids, removed, [s.request_id for s in added]) == batch.preview_order(
-            removed, [s.request_id for s in added]
-        )
-        batch.update(removed, added)
+        rows = batch.rows_after(removed, added)
+        assert rows.order == tuple(next_row_order(batch.req_ids, removed, [s.request_id for s in added]))
+        batch.update(rows)
+        assert batch.req_ids is rows.order
         decode = rng.random() < 0.5
         scheduled = {}
         for r in batch.req_ids:
@@ -129,13 +139,13 @@ def test_a_recycled_slot_holds_nothing_of_its_previous_owner():
     """Hazard: stale input ids. B takes A's KV slot; B's first decode input is B's own token, never
     one A wrote at the same position."""
     batch = InputBatch(CONFIG.max_num_seqs, CONFIG.max_model_len)
-    batch.update(frozenset(), [state("a", [5, 6, 7], slot=0)])
+    admit(batch, frozenset(), [state("a", [5, 6, 7], slot=0)])
     first = build(step(0, {"a": 3}, {"a": 0}, batch), batch)
     batch.write_tokens(first.req_ids, first.sample_positions, [41])
     second = build(step(1, {"a": 1}, {"a": 3}, batch), batch)
     batch.write_tokens(second.req_ids, second.sample_positions, [42])
     assert batch.requests["a"].token_ids == [5, 6, 7, 41, 42]
-    batch.update(frozenset({"a"}), [state("b", [9, 9, 9], slot=0)])
+    admit(batch, frozenset({"a"}), [state("b", [9, 9, 9], slot=0)])
     assert batch.requests["b"].token_ids == [9, 9, 9]
     so = step(1, {"b": 1}, {"b": 3}, batch)  # B decodes position 3 before its token there is known
     assert build(so, batch).input_ids.tolist()[0] == POISON_TOKEN
@@ -144,9 +154,9 @@ def test_a_recycled_slot_holds_nothing_of_its_previous_owner():
 def test_a_late_write_back_for_a_removed_request_never_reaches_its_slots_new_owner():
     """Hazard: token ownership. A's step is materialized after A left and B took its slot."""
     batch = InputBatch(CONFIG.max_num_seqs, CONFIG.max_model_len)
-    batch.update(frozenset(), [state("a", [5, 6, 7], slot=2), state("c", [8], slot=1)])
+    admit(batch, frozenset(), [state("a", [5, 6, 7], slot=2), state("c", [8], slot=1)])
     late = build(step(0, {"a": 3, "c": 1}, {"a": 0, "c": 0}, batch), batch)  # prefill, sampled, in flight
-    batch.update(frozenset({"a"}), [state("b", [9, 9, 9], slot=2)])
+    admit(batch, frozenset({"a"}), [state("b", [9, 9, 9], slot=2)])
     batch.write_tokens(late.req_ids, late.sample_positions, [41, 43])  # A's late output: only C's row is written
     assert batch.requests["b"].token_ids == [9, 9, 9]
     assert batch.requests["c"].token_ids == [8, 43]
@@ -154,12 +164,12 @@ def test_a_late_write_back_for_a_removed_request_never_reaches_its_slots_new_own
 
 def test_a_step_that_changes_nothing_keeps_the_row_order_and_its_slot_map():
     batch = InputBatch(CONFIG.max_num_seqs, CONFIG.max_model_len)
-    batch.update(frozenset(), [state("a", [5], slot=3), state("b", [6], slot=1), state("c", [7], slot=0)])
-    ids, slots = batch.row_ids, batch.row_slots
-    batch.update(frozenset(), [])
-    assert batch.row_ids is ids and batch.row_slots is slots
-    batch.update(frozenset({"a"}), [])  # condense: the last row moves into the hole
-    assert batch.req_ids == ["c", "b"] and batch.row_slots.tolist() == [0, 1]
+    admit(batch, frozenset(), [state("a", [5], slot=3), state("b", [6], slot=1), state("c", [7], slot=0)])
+    ids, slots = batch.req_ids, batch.row_slots
+    admit(batch, frozenset(), [])
+    assert batch.req_ids is ids and batch.row_slots is slots
+    admit(batch, frozenset({"a"}), [])  # condense: the last row moves into the hole
+    assert batch.req_ids == ("c", "b") and batch.row_slots.tolist() == [0, 1]
 
 
 def test_a_large_write_back_lands_in_the_arrays_the_inputs_read():
@@ -168,7 +178,7 @@ def test_a_large_write_back_lands_in_the_arrays_the_inputs_read():
     that are gone or sample nothing skipped."""
     slots = 40
     batch = InputBatch(slots, 16)
-    batch.update(frozenset(), [state(f"r{i}", [i % 7 + 1, 2], slot=i) for i in range(slots)])
+    admit(batch, frozenset(), [state(f"r{i}", [i % 7 + 1, 2], slot=i) for i in range(slots)])
     ids = tuple(f"r{i}" for i in range(slots)) + ("gone",)
     positions = tuple(None if i == 5 else 2 for i in range(slots)) + (2,)
     batch.write_tokens(ids, positions, [100 + i for i in range(slots)] + [999])
@@ -178,10 +188,7 @@ def test_a_large_write_back_lands_in_the_arrays_the_inputs_read():
     assert batch.num_tokens.tolist() == [2 if i == 5 else 3 for i in range(slots)]
     scheduled = {f"r{i}": 1 for i in range(slots) if i != 5}
     so = SchedulerOutput(0, scheduled, dict.fromkeys(scheduled, 2), [], frozenset(), frozenset(), True)
-    req_ids, rows = batch.scheduled_rows(so.num_scheduled_tokens)
-    got = build_model_input(
-        EngineConfig(max_num_seqs=slots, max_model_len=16, decode_buckets=(64,)), so, batch, req_ids, rows
-    )
+    got = build(so, batch, EngineConfig(max_num_seqs=slots, max_model_len=16, decode_buckets=(64,)))
     assert got.input_ids.tolist()[: slots - 1] == [100 + i for i in range(slots) if i != 5]
 
 
@@ -195,7 +202,6 @@ def test_decode_ids_from_the_previous_steps_written_tokens_equal_the_gather():
     computed: dict[str, int] = {}
     free = list(range(CONFIG.max_num_seqs))
     names = iter(f"r{i}" for i in range(10_000))
-    last: WrittenTokens | None = None
     taken = 0
     for step_id in range(600):
         steady = rng.random() < 0.8  # most steps change nothing: the shortcut's case
@@ -206,7 +212,7 @@ def test_decode_ids_from_the_previous_steps_written_tokens_equal_the_gather():
             req_id, slot = next(names), free.pop(rng.randrange(len(free)))
             added.append(state(req_id, [rng.randrange(3, 90) for _ in range(rng.randint(1, 6))], slot))
             computed[req_id] = 0
-        batch.update(removed, added)
+        admit(batch, removed, added)
         scheduled = {}
         for r in batch.req_ids:
             if computed[r] + 1 >= CONFIG.max_model_len or (not steady and rng.random() < 0.2):
@@ -216,19 +222,21 @@ def test_decode_ids_from_the_previous_steps_written_tokens_equal_the_gather():
         if not scheduled:
             continue
         so = step(step_id, scheduled, {r: computed[r] for r in scheduled}, batch)
-        plain = build(so, batch)
-        req_ids, slots = batch.scheduled_rows(so.num_scheduled_tokens)
-        got = build_model_input(CONFIG, so, batch, req_ids, slots, written=last)
+        rows = batch.plan(so, CONFIG)
+        last, batch.last_written = batch.last_written, None
+        plain = build_model_input(CONFIG, so, batch, rows)  # the gather alone
+        batch.last_written = last
+        got = build_model_input(CONFIG, so, batch, rows)
         assert got.input_ids.tolist() == plain.input_ids.tolist(), step_id
         assert got.sample_positions == plain.sample_positions
-        if so.all_decode and last is not None and _follows(last, step_id, req_ids, tuple(plain.positions.tolist())):
+        start = tuple(plain.positions.tolist())
+        if so.all_decode and last is not None and _follows(last, step_id, rows.req_ids, start):
             taken += 1
         for r, n in scheduled.items():
             computed[r] += n
         if rng.random() < 0.9:  # written back (else: never, as a late one would be)
             tokens = [rng.randrange(3, 90) for _ in got.req_ids]
-            batch.write_tokens(got.req_ids, got.sample_positions, tokens)
-            last = WrittenTokens(StepSnapshot(step_id, got.req_ids, got.sample_positions), tokens)
+            batch.write_back(StepSnapshot(step_id, got.req_ids, got.sample_positions), tokens)
     assert taken > 50, taken
 
 
@@ -237,31 +245,33 @@ def test_written_tokens_of_an_older_step_or_other_rows_are_never_the_ids():
     own token there not written yet: the ids are POISON_TOKEN (the gather), not the old owner's token,
     though the old step's rows and positions look the same; likewise for other rows or positions."""
     batch = InputBatch(CONFIG.max_num_seqs, CONFIG.max_model_len)
-    batch.update(frozenset(), [state("a", [5, 6, 7], slot=0)])
+    admit(batch, frozenset(), [state("a", [5, 6, 7], slot=0)])
     first = build(step(4, {"a": 3}, {"a": 0}, batch), batch)
     batch.write_tokens(first.req_ids, first.sample_positions, [41])
     old = WrittenTokens(StepSnapshot(4, first.req_ids, first.sample_positions), [41])
-    batch.update(frozenset({"a"}), [state("a", [9, 9, 9], slot=0)])  # "a" again: a new request
+    admit(batch, frozenset({"a"}), [state("a", [9, 9, 9], slot=0)])  # "a" again: a new request
     build(step(5, {"a": 3}, {"a": 0}, batch), batch)  # its prefill, in flight: never written
     so = step(6, {"a": 1}, {"a": 3}, batch)
-    req_ids, slots = batch.scheduled_rows(so.num_scheduled_tokens)
-    assert build_model_input(CONFIG, so, batch, req_ids, slots, written=old).input_ids.tolist()[0] == POISON_TOKEN
-    for snapshot in [StepSnapshot(5, ("b",), (3,)), StepSnapshot(5, ("a",), (2,))]:
-        other = WrittenTokens(snapshot, [41])
-        assert build_model_input(CONFIG, so, batch, req_ids, slots, written=other).input_ids.tolist()[0] == POISON_TOKEN
-    follows = WrittenTokens(StepSnapshot(5, ("a",), (3,)), [77])  # the step just before, as written
-    assert build_model_input(CONFIG, so, batch, req_ids, slots, written=follows).input_ids.tolist()[0] == 77
+    for written in [
+        old,
+        WrittenTokens(StepSnapshot(5, ("b",), (3,)), [41]),
+        WrittenTokens(StepSnapshot(5, ("a",), (2,)), [41]),
+    ]:
+        batch.last_written = written
+        assert build(so, batch).input_ids.tolist()[0] == POISON_TOKEN
+    batch.last_written = WrittenTokens(StepSnapshot(5, ("a",), (3,)), [77])  # the step just before, as written
+    assert build(so, batch).input_ids.tolist()[0] == 77
 
 
 def test_ids_fed_from_a_future_are_not_built_and_poison_every_real_row():
     """cpu_ids=False (the plan feeds every input id from a future): the real rows' ids are POISON_TOKEN,
     which the device rejects if they ever reached it; every other input is the ordinary one."""
     batch = InputBatch(CONFIG.max_num_seqs, CONFIG.max_model_len)
-    batch.update(frozenset(), [state("a", [5, 6, 7], slot=0), state("b", [8], slot=3), state("c", [4, 4], slot=1)])
+    admit(batch, frozenset(), [state("a", [5, 6, 7], slot=0), state("b", [8], slot=3), state("c", [4, 4], slot=1)])
     so = step(0, {"a": 1, "b": 1, "c": 1}, {"a": 3, "b": 1, "c": 2}, batch)
-    req_ids, slots = batch.scheduled_rows(so.num_scheduled_tokens)
-    plain = build_model_input(CONFIG, so, batch, req_ids, slots)
-    fed = build_model_input(CONFIG, so, batch, req_ids, slots, cpu_ids=False)
+    rows = batch.plan(so, CONFIG)
+    plain = build_model_input(CONFIG, so, batch, rows)
+    fed = build_model_input(CONFIG, so, batch, rows, cpu_ids=False)
     assert fed.input_ids.tolist() == [POISON_TOKEN] * 3 + [0]  # bucket 4: one padding row
     assert fed.encoded["input_ids"].decode().tolist() == fed.input_ids.tolist()
     for name, value in plain.program_inputs().items():

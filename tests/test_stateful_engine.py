@@ -240,7 +240,7 @@ class EngineVsReference(RuleBasedStateMachine):
     def _check_died_cleanly(self) -> None:
         """After a fault: every in-flight request ended in error, nothing pending, no thread left behind."""
         engine = self.llm.engine
-        assert not engine.batch_queue and engine.runner.buffer is None
+        assert not engine.batch_queue and engine.runner.pending is None
         assert engine.runner.machine.state == sm.IDLE  # drained
         assert not self.llm.has_unfinished_requests()
         for thread in self.threads:

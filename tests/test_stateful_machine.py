@@ -56,7 +56,7 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.reported: list[tuple[str, str, str]] = []
-        self.machine = sm.AsyncStepMachine(on_transition=lambda *t: self.reported.append(t))
+        self.machine = sm.AsyncStepMachine()
         self.expected: list[tuple[str, str, str]] = []
         self.state = sm.IDLE
         self.pending: Step | None = None  # the step whose sampled-token future the buffer holds
@@ -82,7 +82,9 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
         obs = self._observe(step, relay)
         note(f"step -> {dest}: {obs}")
         assert sm.decide(obs) == dest
-        assert self.machine.step(obs) == dest
+        transition = self.machine.step(obs)
+        self.reported.append(transition)
+        assert transition.dest == dest
         self.expected.append(("step", self.state, dest))
         self.state, self.current = dest, step
         self.counts[dest] += 1
@@ -167,14 +169,14 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
     @precondition(lambda self: self.state in sm.PATH_STATES)
     @rule()
     def reinstate(self) -> None:
-        self.machine.reinstate()
+        self.reported.append(self.machine.reinstate())
         self.expected.append(("reinstate", self.state, sm.REINSTATE))
         self.state, self.pending, self.current = sm.REINSTATE, self.current, None
 
     @rule()
     def drain(self) -> None:
         """A failure or shutdown, at any point: the pending future is dropped."""
-        self.machine.drain()
+        self.reported.append(self.machine.drain())
         self.expected.append(("drain", self.state, sm.IDLE))
         self.state, self.pending, self.current = sm.IDLE, None, None
 

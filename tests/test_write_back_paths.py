@@ -14,7 +14,7 @@ from neuron_async_sm.worker.input_batch import CachedRequestState, InputBatch
 def _batch(num_requests: int, slots: int = 32) -> InputBatch:
     batch = InputBatch(slots, 40)
     states = [CachedRequestState(f"r{i}", [1, 2, 3], SamplingParams(), i, i) for i in range(num_requests)]
-    batch.update(frozenset(), states)
+    batch.update(batch.rows_after(frozenset(), states))
     return batch
 
 

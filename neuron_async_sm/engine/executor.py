@@ -92,7 +92,7 @@ class Executor:
         """Sample on every rank; the output rank's result (sync: tokens; async: still a future).
 
         The other ranks' outputs are dropped here: in async mode their futures live on in their
-        runner's buffer, to be fed to the next step's program; nothing ever reads them.
+        runner's pending step, to be fed to the next step's program; nothing ever reads them.
         """
         outputs = []
         for runner in self.runners:

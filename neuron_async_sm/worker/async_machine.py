@@ -8,9 +8,10 @@ used by tests, the runner's step, the state diagram
 
 Between steps the machine rests in one of two states:
 - Idle: no pending sampled-token future (before the first step, or after a failure drained it);
-- Reinstate: the previous step left its sampled-token future, its ordered request ids and its async
-  output in the async execution buffer.
+- Reinstate: the previous step is pending: its output, whose sampled-token future may feed the next
+  step and whose snapshot says which request owns each of its rows.
 `step` picks the path of the next step from the step's observations; `reinstate` ends every step.
+Each trigger returns the `Transition` it took: the machine never calls its caller back.
 
 Path states (each forward step takes exactly one; Steady and Relay count as async steps):
 - NoPendingFuture: nothing pending, CPU-built inputs are correct as they are.
@@ -39,6 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
+from typing import NamedTuple
 
 from transitions import Machine, MachineError
 
@@ -60,7 +62,7 @@ ASYNC_STATES = frozenset({STEADY, RELAY})  # no host round trip: the main thread
 class StepObservation:
     """What the worker sees at the start of a step, before it mutates any batch state."""
 
-    has_pending: bool  # the async execution buffer holds a future
+    has_pending: bool  # a previous step is pending: its sampled-token future is on the device
     prev_req_ids: tuple[str, ...]  # ordered ids that produced the pending future (empty if none)
     curr_req_ids: tuple[str, ...]  # ordered ids of this step, after removals, additions, condense()
     all_decode: bool  # every scheduled request computes exactly one decode token
@@ -181,44 +183,51 @@ def decide(obs: StepObservation) -> str:
     return _dest("step", REINSTATE if obs.has_pending else IDLE, obs)
 
 
+class Transition(NamedTuple):
+    """One trigger fired: what the machine did, returned to the caller (the runner traces it)."""
+
+    trigger: str
+    source: str
+    dest: str  # after `step`: the step's path state, the runner's plan is PLANS[dest]
+
+
 class AsyncStepMachine:
     """The runtime guard over TRANSITIONS (its lookup, `ROWS`), with step counters.
 
-    Its three calls are the table's triggers: `step(obs)`, `reinstate()`, `drain()`. Illegal triggers
-    raise `transitions.MachineError` and leave the state unchanged. It behaves as the `transitions`
-    machine over the same table (`reference_machine()`; checked equal in tests/test_async_machine_lookup.py),
-    at a tenth of its cost per step.
+    Its three calls are the table's triggers: `step(obs)`, `reinstate()`, `drain()`; each returns
+    the Transition it took. Illegal triggers raise `transitions.MachineError` and leave the state
+    unchanged. It behaves as the `transitions` machine over the same table (`reference_machine()`;
+    checked equal in tests/test_async_machine_lookup.py), at a tenth of its cost per step.
     """
 
-    def __init__(self, on_transition: Callable[[str, str, str], None] | None = None) -> None:
+    def __init__(self) -> None:
         self.async_steps = 0
         self.sync_fallback_steps = 0
         self.state_counts: dict[str, int] = {s: 0 for s in PATH_STATES}
-        self._on_transition = on_transition
         self._state = IDLE
 
     @property
     def state(self) -> str:
         return self._state
 
-    def step(self, obs: StepObservation) -> str:
-        """Fire `step` with the observation; return the path state and count the step."""
+    def step(self, obs: StepObservation) -> Transition:
+        """Fire `step` with the observation: the step's path state is the transition's `dest`; count it."""
         source = self._state
         if source in (IDLE, REINSTATE) and (source == REINSTATE) != obs.has_pending:
             raise ValueError(f"observation has_pending={obs.has_pending} contradicts machine state {source}")
-        path = self._fire("step", obs)
-        self.state_counts[path] += 1
-        if path in ASYNC_STATES:
+        transition = self._fire("step", obs)
+        self.state_counts[transition.dest] += 1
+        if transition.dest in ASYNC_STATES:
             self.async_steps += 1
         else:
             self.sync_fallback_steps += 1
-        return path
+        return transition
 
-    def reinstate(self) -> None:
-        self._fire("reinstate")
+    def reinstate(self) -> Transition:
+        return self._fire("reinstate")
 
-    def drain(self) -> None:
-        self._fire("drain")
+    def drain(self) -> Transition:
+        return self._fire("drain")
 
     def counters(self) -> dict:
         return {
@@ -227,12 +236,10 @@ class AsyncStepMachine:
             "state_counts": dict(self.state_counts),
         }
 
-    def _fire(self, trigger: str, obs: StepObservation | None = None) -> str:
+    def _fire(self, trigger: str, obs: StepObservation | None = None) -> Transition:
         source = self._state
         self._state = dest = _dest(trigger, source, obs)  # raises before the state changes
-        if self._on_transition is not None:
-            self._on_transition(trigger, source, dest)
-        return dest
+        return Transition(trigger, source, dest)
 
 
 def reference_machine(initial: str = IDLE) -> Machine:

@@ -1,54 +1,48 @@
-"""One step's output whose sampled tokens may still live in a device future."""
+"""One step's output whose sampled tokens may still live in a device future: the pending step."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from neuron_async_sm.outputs import ModelRunnerOutput
+from neuron_async_sm.outputs import ModelRunnerOutput, StepSnapshot
 from neuron_async_sm.runtime import DeviceFuture
 from neuron_async_sm.trace import Tracer
 
+if TYPE_CHECKING:
+    from neuron_async_sm.worker.input_batch import InputBatch
+
 OUTPUT_THREAD_NAME = "async-output"  # the async output thread (engine/executor.py), named in the trace header
-
-
-@dataclass(frozen=True)
-class StepSnapshot:
-    """Taken when the step is sampled (the design's `_bookkeeping_sync`): which request owns each row.
-
-    The next step's `_update_states()` may reorder or remove rows; tokens are written back by these
-    request ids, never by current row, so they always reach the request they were sampled for.
-    """
-
-    step_id: int
-    req_ids: tuple[str, ...]  # row i of the future belongs to req_ids[i]
-    sample_positions: tuple[int | None, ...]  # token position each row samples; None: partial prefill
 
 
 class AsyncModelRunnerOutput:
     """Blocking, thread-safe, call-once materialization of one step's sampled tokens.
 
+    Also the worker's pending step in async mode: its `future` feeds the next step and its
+    `snapshot` says which request owns each row of it.
+
     The async output thread and the worker main thread (when it breaks the async flow) may both call
-    `get_output()`; the per-object lock lets exactly one of them transfer and write back, and the
-    other gets the same result.
+    `get_output()`; the per-object lock lets exactly one of them transfer the tokens and hand them to
+    the worker's batch, and the other gets the same result.
     """
 
     def __init__(
         self,
         snapshot: StepSnapshot,
         future: DeviceFuture,
-        write_back: Callable[[StepSnapshot, list[int]], None],
+        batch: InputBatch,
         tracer: Tracer = Tracer.NONE,
         host_sampler: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.snapshot = snapshot
-        # None: the future holds sampled token ids. Otherwise it holds logits sampled on the host.
+        # Sampled token ids, [padded rows] int32, still on the device: the next step may feed on it.
+        # Otherwise (host_sampler set, sync mode only) logits [padded rows, vocab] sampled on the host.
+        self.future = future
         self._host_sampler = host_sampler
-        self._future: DeviceFuture | None = future
-        self._write_back = write_back
+        self._batch = batch  # the worker's CPU token state: it applies the tokens (InputBatch.write_back)
         self._tracer = tracer
         self._lock = threading.Lock()
         self._result: ModelRunnerOutput | None = None
@@ -71,27 +65,27 @@ class AsyncModelRunnerOutput:
             return self._result
 
     def _materialize(self) -> None:
-        assert self._future is not None
+        snapshot = self.snapshot
         try:
             with self._tracer.observer.span("fetch"):
-                host = self._future.to_host()  # blocks until the program ran; re-raises its error
+                host = self.future.to_host()  # blocks until the program ran; re-raises its error
             if self._host_sampler is not None:
                 host = self._host_sampler(host)
-            tokens = host.tolist()[: len(self.snapshot.req_ids)]  # ints (an integer tensor); no torch slice
-            self._write_back(self.snapshot, tokens)
-            self._result = ModelRunnerOutput(self.snapshot.step_id, list(self.snapshot.req_ids), tokens)
+            tokens = host.tolist()[: len(snapshot.req_ids)]  # ints (an integer tensor); no torch slice
+            self._tracer.observer.write_back(snapshot, tokens)
+            # Inside the lock: a thread that asks second returns only once the batch holds the tokens.
+            self._batch.write_back(snapshot, tokens)
+            self._result = ModelRunnerOutput(snapshot.step_id, list(snapshot.req_ids), tokens)
         except BaseException as exc:  # surfaced to every caller, never swallowed
             self._error = exc
         finally:
-            # Only our reference goes: the buffer still holds the future while a program may read it.
-            self._future = None
             self.materialize_count += 1
             if self._tracer.enabled:  # logged inside the lock: the trace orders it like the state change
                 self._tracer.event(
                     "Materialize",
-                    step=self.snapshot.step_id,
-                    req_ids=list(self.snapshot.req_ids),
-                    positions=list(self.snapshot.sample_positions),
+                    step=snapshot.step_id,
+                    req_ids=list(snapshot.req_ids),
+                    positions=list(snapshot.sample_positions),
                     ok=self._error is None,
                     count=self.materialize_count,
                     tokens=[] if self._result is None else self._result.sampled_token_ids,  # by snapshot row

@@ -5,15 +5,21 @@ sequence ids), so `condense()` may reorder rows without moving any KV cache. The
 by KV slot (the request's index while it lives here), so a condense moves no data either: only the
 row order (`req_ids`) and its slot map (`row_slots`) change, and only on steps that add or remove
 requests. Building a step's inputs is then a few vectorized gathers (`model_input.build_model_input`).
+
+A step's rows are worked out once, before anything changes (`plan()` -> `StepRows`): the step
+machine observes them, and the batch takes them on when the step's inputs are built (`update()`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import threading
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from neuron_async_sm.config import EngineConfig
+from neuron_async_sm.outputs import SchedulerOutput, StepSnapshot
 from neuron_async_sm.sampling_params import SamplingParams
 
 POISON_TOKEN = -1
@@ -44,7 +50,7 @@ class CachedRequestState:
         return self._batch.token_ids[self.kv_slot, : self._batch.num_tokens[self.kv_slot]].tolist()
 
 
-def next_row_order(rows: list[str], removed: frozenset[str], added: list[str]) -> list[str]:
+def next_row_order(rows: Sequence[str], removed: frozenset[str], added: list[str]) -> list[str]:
     """Row order after one update, as vLLM's persistent batch does it (pure; no state).
 
     Removed requests leave holes; new requests fill the lowest holes, then append; `condense()` closes
@@ -73,12 +79,46 @@ def next_row_order(rows: list[str], removed: frozenset[str], added: list[str]) -
     return [r for r in slots if r is not None]
 
 
-def scheduled_order(order: list[str] | tuple[str, ...], scheduled: Collection[str]) -> tuple[str, ...]:
+def scheduled_order(order: tuple[str, ...], scheduled: Collection[str]) -> tuple[str, ...]:
     """The rows of `order` that run this step, in order. Every scheduled request is in the batch, so
     equal sizes mean every row runs (the common step: no per-request work)."""
     if len(order) == len(scheduled):
-        return tuple(order)
+        return order
     return tuple(r for r in order if r in scheduled)
+
+
+def padded_input_shape(config: EngineConfig, scheduled: SchedulerOutput) -> tuple[int, ...]:
+    """Shape of the step's input_ids: [decode bucket] for decode, [rows, prefill bucket] otherwise.
+
+    A prefill step is not padded in rows, so its output is [num_reqs]; the first decode after it
+    pads to a bucket, which is the shape mismatch the design describes.
+    """
+    num_rows = len(scheduled.num_scheduled_tokens)
+    if scheduled.all_decode:
+        return (config.decode_bucket(num_rows),)
+    return (num_rows, config.prefill_bucket(max(scheduled.num_scheduled_tokens.values())))
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """One step's rows, worked out once before the batch changes: the step machine observes them,
+    the batch takes them on (`InputBatch.update`) and the step's inputs are built on them."""
+
+    order: tuple[str, ...]  # every row after the step's removals, additions and condense()
+    req_ids: tuple[str, ...]  # the rows that run this step, in order (those of `order` scheduled)
+    removed: frozenset[str]  # requests the batch holds that leave it
+    added: tuple[CachedRequestState, ...]  # requests that join it, in admission order
+    shape: tuple[int, ...]  # the step's padded input_ids (`padded_input_shape`); () outside a step
+
+
+@dataclass(slots=True)
+class WrittenTokens:
+    """The last step's tokens the write-back put into the batch: row i's `tokens[i]` at position
+    `snapshot.sample_positions[i]` of request `snapshot.req_ids[i]`. Never written after it is built
+    (not frozen: one is built on every step, and a frozen dataclass's __init__ costs three times more)."""
+
+    snapshot: StepSnapshot
+    tokens: list[int]  # [num_rows]
 
 
 class InputBatch:
@@ -86,10 +126,12 @@ class InputBatch:
 
     def __init__(self, max_num_seqs: int, max_model_len: int) -> None:
         self.max_model_len = max_model_len
+        # Guards the token state against the async output thread's write-back. Lock order: an
+        # output's lock may be held while taking this one, never the reverse (no deadlock).
+        self.lock = threading.Lock()
+        self.last_written: WrittenTokens | None = None  # the last write-back (under `lock`)
         self.requests: dict[str, CachedRequestState] = {}
-        self._slot_of: dict[str, int] = {}  # request id -> KV slot, for the write-back's lookup
-        self.req_ids: list[str] = []  # row order, always condensed
-        self.row_ids: tuple[str, ...] = ()  # the same, as the tuple a step's inputs carry
+        self.req_ids: tuple[str, ...] = ()  # row order, always condensed
         self.row_slots = np.zeros(0, dtype=np.int64)  # [num_rows] KV slot of each row
         # Per KV slot. A slot's row is reset when a request takes it: nothing of its previous owner
         # survives (hazard: stale input ids from a recycled slot).
@@ -112,21 +154,53 @@ class InputBatch:
         # same requests run in the same rows at the same padding; dropped on every add or remove.
         self.row_inputs_cache: object | None = None
 
-    def update(self, removed: frozenset[str], added: list[CachedRequestState]) -> None:
-        """Remove finished requests, add new ones, condense. O(1) when nothing changes."""
-        removed = frozenset(r for r in removed if r in self.requests)
-        if not removed and not added:
+    def plan(self, scheduled: SchedulerOutput, config: EngineConfig) -> StepRows:
+        """The rows `scheduled` leads to, and its padded input shape, without changing anything."""
+        added = [
+            CachedRequestState(
+                n.request_id, list(n.prompt_token_ids), n.sampling_params, n.seed, n.kv_slot, n.num_output_tokens
+            )
+            for n in scheduled.scheduled_new_reqs
+        ]
+        shape = padded_input_shape(config, scheduled)
+        return self.rows_after(scheduled.finished_req_ids, added, scheduled.num_scheduled_tokens, shape)
+
+    def rows_after(
+        self,
+        removed: Collection[str],
+        added: list[CachedRequestState],
+        scheduled: Collection[str] | None = None,
+        shape: tuple[int, ...] = (),
+    ) -> StepRows:
+        """The rows after removing `removed` and adding `added` (condensed); of them, `scheduled` run
+        (default: all). O(1) when nothing joins or leaves."""
+        gone = frozenset(r for r in removed if r in self.requests)
+        if gone or added:
+            order = tuple(next_row_order(self.req_ids, gone, [s.request_id for s in added]))
+        else:
+            order = self.req_ids  # the common decode step: the same tuple, no work
+        req_ids = order if scheduled is None else scheduled_order(order, scheduled)
+        return StepRows(order, req_ids, gone, tuple(added), shape)
+
+    def update(self, rows: StepRows) -> None:
+        """Take on a step's rows: remove its finished requests, add its new ones, condense. Nothing to
+        do when the batch has them already (a step that adds and removes nothing). Under `lock`."""
+        if rows.order is self.req_ids:
             return
         self.row_inputs_cache = None
-        self.req_ids = next_row_order(self.req_ids, removed, [s.request_id for s in added])
-        for req_id in removed:
+        for req_id in rows.removed:
             self.requests.pop(req_id)._batch = None
-            del self._slot_of[req_id]
-        for state in added:
+        for state in rows.added:
             self._add(state)
-        self.row_ids = tuple(self.req_ids)
+        self.req_ids = rows.order
         requests = self.requests
-        self.row_slots = np.fromiter((requests[r].kv_slot for r in self.req_ids), np.int64, len(self.req_ids))
+        self.row_slots = np.fromiter((requests[r].kv_slot for r in rows.order), np.int64, len(rows.order))
+
+    def slots(self, req_ids: tuple[str, ...]) -> np.ndarray:
+        """The KV slots of `req_ids` (rows of the batch, in order), [num_rows]."""
+        if len(req_ids) == len(self.req_ids):  # every row runs: the cached map, no work
+            return self.row_slots
+        return np.fromiter((self.requests[r].kv_slot for r in req_ids), np.int64, len(req_ids))
 
     def _add(self, state: CachedRequestState) -> None:
         slot, num_prompt = state.kv_slot, len(state.prompt_token_ids)
@@ -141,18 +215,6 @@ class InputBatch:
         self.output_base[slot] = state.num_output_tokens
         state._batch = self
         self.requests[state.request_id] = state
-        self._slot_of[state.request_id] = slot
-
-    def preview_order(self, removed: frozenset[str], added: list[str]) -> list[str]:
-        """The row order `update()` would produce, without changing anything."""
-        return next_row_order(self.req_ids, frozenset(r for r in removed if r in self.requests), added)
-
-    def scheduled_rows(self, scheduled: Collection[str]) -> tuple[tuple[str, ...], np.ndarray]:
-        """The rows that run this step, in row order, and their KV slots ([num_rows])."""
-        if len(self.req_ids) == len(scheduled):  # every row runs: the cached views, no work
-            return self.row_ids, self.row_slots
-        keep = np.fromiter((r in scheduled for r in self.req_ids), bool, len(self.req_ids))
-        return tuple(r for r, k in zip(self.req_ids, keep.tolist(), strict=True) if k), self.row_slots[keep]
 
     def write_tokens(self, req_ids: tuple[str, ...], positions: tuple[int | None, ...], tokens: list[int]) -> None:
         """Record sampled tokens: row i's at positions[i] of request req_ids[i].
@@ -165,11 +227,21 @@ class InputBatch:
         """
         n = len(req_ids)
         assert len(positions) == len(tokens) == n, (n, len(positions), len(tokens))
-        slot_of, token_ids, num_tokens = self._slot_of, self.token_view, self._count_view
+        requests, token_ids, num_tokens = self.requests, self.token_view, self._count_view
         for req_id, at, token in zip(req_ids, positions, tokens, strict=True):
-            slot = slot_of.get(req_id)
-            if slot is None or at is None:  # gone (token ownership), or a partial prefill
+            state = requests.get(req_id)
+            if state is None or at is None:  # gone (token ownership), or a partial prefill
                 continue
+            slot = state.kv_slot
             token_ids[slot, at] = token
             if num_tokens[slot] <= at:
                 num_tokens[slot] = at + 1
+
+    def write_back(self, snapshot: StepSnapshot, tokens: list[int]) -> None:
+        """Apply one step's sampled tokens, by the snapshot's request ids (never by current row); on
+        whichever thread materialized them (`AsyncModelRunnerOutput`)."""
+        with self.lock:
+            # Hazard: token ownership after condense(). Addressed by the snapshot's request ids; the
+            # rows may have moved or left since this step was sampled.
+            self.write_tokens(snapshot.req_ids, snapshot.sample_positions, tokens)
+            self.last_written = WrittenTokens(snapshot, tokens)

@@ -14,8 +14,7 @@ from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.model import sample_tokens
 from neuron_async_sm.outputs import SchedulerOutput
 from neuron_async_sm.runtime import WireTensor
-from neuron_async_sm.worker.async_output import StepSnapshot
-from neuron_async_sm.worker.input_batch import POISON_TOKEN, InputBatch
+from neuron_async_sm.worker.input_batch import POISON_TOKEN, InputBatch, StepRows, WrittenTokens
 
 _FORWARD_INPUTS = ("input_ids", "positions", "query_lens", "slot_ids")
 _plus_one = (1).__add__
@@ -90,18 +89,6 @@ def logits_dtype(dtype: str) -> torch.dtype:
     return torch.float64 if dtype == "float64" else torch.float32
 
 
-def padded_input_shape(config: EngineConfig, scheduled: SchedulerOutput) -> tuple[int, ...]:
-    """Shape of the step's input_ids: [decode bucket] for decode, [rows, prefill bucket] otherwise.
-
-    A prefill step is not padded in rows, so its output is [num_reqs]; the first decode after it
-    pads to a bucket, which is the shape mismatch the design describes.
-    """
-    num_rows = len(scheduled.num_scheduled_tokens)
-    if scheduled.all_decode:
-        return (config.decode_bucket(num_rows),)
-    return (num_rows, config.prefill_bucket(max(scheduled.num_scheduled_tokens.values())))
-
-
 @dataclass(frozen=True)
 class RowInputs:
     """The padded inputs fixed by which request runs in which row: the same on every step until a
@@ -124,16 +111,6 @@ class RowInputs:
     seeds: torch.Tensor  # int64 [B]
     # The decode step's inputs among these, encoded once for the runtime (ModelInput.encoded).
     decode_encoded: Mapping[str, WireTensor]
-
-
-@dataclass(slots=True)
-class WrittenTokens:
-    """The last step's tokens the write-back put into the batch: row i's `tokens[i]` at position
-    `snapshot.sample_positions[i]` of request `snapshot.req_ids[i]`. Never written after it is built
-    (not frozen: one is built on every step, and a frozen dataclass's __init__ costs three times more)."""
-
-    snapshot: StepSnapshot
-    tokens: list[int]  # [num_rows]
 
 
 def _follows(written: WrittenTokens, step_id: int, req_ids: tuple[str, ...], start: tuple[int, ...]) -> bool:
@@ -187,29 +164,25 @@ def row_inputs(
 
 
 def build_model_input(
-    config: EngineConfig,
-    scheduled: SchedulerOutput,
-    batch: InputBatch,
-    req_ids: tuple[str, ...],
-    slots: np.ndarray,
-    *,
-    written: WrittenTokens | None = None,
-    cpu_ids: bool = True,
+    config: EngineConfig, scheduled: SchedulerOutput, batch: InputBatch, rows: StepRows, *, cpu_ids: bool = True
 ) -> ModelInput:
-    """Inputs from CPU state: a prefill's are vectorized gathers from the batch's arrays; a decode step's
-    few values per row are gathered in plain Python through the batch's memoryview.
+    """The batch takes on the step's `rows` (`InputBatch.update`), then its inputs are built from CPU
+    state: a prefill's are vectorized gathers from the batch's arrays; a decode step's few values per
+    row are gathered in plain Python through the batch's memoryview. The caller holds `batch.lock`.
 
-    `req_ids` are the step's rows in order and `slots` [num_rows] their KV slots. Tokens that exist
-    only in a pending future come out as POISON_TOKEN (hazard: stale input ids; the device rejects them).
-    A decode step whose rows are the previous step's builds only its ids, positions and output
-    indices: the rest (`RowInputs`) is the previous step's. Its ids are the previous step's tokens as
-    written back (`written`) when that step sampled exactly them (`_follows`), and are not built at all
-    (`cpu_ids=False`: POISON_TOKEN in every real row) when the plan feeds every input id from a future.
+    Tokens that exist only in a pending future come out as POISON_TOKEN (hazard: stale input ids;
+    the device rejects them). A decode step whose rows are the previous step's builds only its ids,
+    positions and output indices: the rest (`RowInputs`) is the previous step's. Its ids are the
+    previous step's tokens as written back (`batch.last_written`) when that step sampled exactly
+    them (`_follows`), and are not built at all (`cpu_ids=False`: POISON_TOKEN in every real row)
+    when the plan feeds every input id from a future.
     """
-    is_decode = scheduled.all_decode
-    shape = padded_input_shape(config, scheduled)
+    batch.update(rows)
+    req_ids, shape, is_decode = rows.req_ids, rows.shape, scheduled.all_decode
+    slots = batch.slots(req_ids)  # [num_rows]
+    written = batch.last_written
     num_padded, num_rows = shape[0], len(req_ids)
-    rows = row_inputs(config, batch, req_ids, slots, num_padded)
+    fixed = row_inputs(config, batch, req_ids, slots, num_padded)
     computed = scheduled.num_computed_tokens
     if is_decode:
         # Every row is past its prompt and samples the token after its one input token. map() over a
@@ -222,9 +195,9 @@ def build_model_input(
         elif written is not None and _follows(written, scheduled.step_id, req_ids, start):
             ids = array("i", written.tokens)  # [B]
         else:
-            ids = array("i", map(batch.token_flat.__getitem__, map(add, rows.token_offsets, start)))  # [B]
+            ids = array("i", map(batch.token_flat.__getitem__, map(add, fixed.token_offsets, start)))  # [B]
         pos = array("i", start)  # [B]
-        output_index = array("q", map(add, start, rows.output_index_offsets))  # [B]: end - num_prompt + output_base
+        output_index = array("q", map(add, start, fixed.output_index_offsets))  # [B]: end - num_prompt + output_base
         if num_padded > num_rows:
             pad = [0] * (num_padded - num_rows)
             ids.extend(pad)
@@ -232,9 +205,8 @@ def build_model_input(
             output_index.extend(pad)
         # Encoded from the buffers as the tensors are made: the runtime gets every input of a decode
         # step as bytes and encodes nothing (the tensors below share these buffers, never written).
-        shape = (num_padded,)
         encoded = {
-            **rows.decode_encoded,
+            **fixed.decode_encoded,
             "input_ids": WireTensor(ids.tobytes(), shape, torch.int32),
             "positions": WireTensor(pos.tobytes(), shape, torch.int32),
             "output_index": WireTensor(output_index.tobytes(), shape, torch.int64),
@@ -245,12 +217,12 @@ def build_model_input(
             is_decode=True,
             input_ids=torch.frombuffer(ids, dtype=torch.int32),
             positions=torch.frombuffer(pos, dtype=torch.int32),
-            query_lens=rows.decode_query_lens,
-            slot_ids=rows.slot_ids,
-            temperature=rows.temperature,
-            top_k=rows.top_k,
-            top_p=rows.top_p,
-            seeds=rows.seeds,
+            query_lens=fixed.decode_query_lens,
+            slot_ids=fixed.slot_ids,
+            temperature=fixed.temperature,
+            top_k=fixed.top_k,
+            top_p=fixed.top_p,
+            seeds=fixed.seeds,
             output_index=torch.frombuffer(output_index, dtype=torch.int64),
             encoded=encoded,
         )
@@ -265,7 +237,7 @@ def build_model_input(
     ids[:num_rows] = np.where(real, batch.token_ids[slots[:, None], at], 0)
     pos[:num_rows] = at
     end = start + count  # [R] position of the token each row samples
-    num_prompt = rows.num_prompt  # [R]
+    num_prompt = fixed.num_prompt  # [R]
     sample_positions = end.tolist()
     for i in np.flatnonzero(end < num_prompt).tolist():  # a partial prefill chunk samples nothing
         sample_positions[i] = None
@@ -276,11 +248,11 @@ def build_model_input(
         input_ids=torch.from_numpy(ids),
         positions=torch.from_numpy(pos),
         query_lens=_padded(count, num_padded, 0, np.int32),
-        slot_ids=rows.slot_ids,
-        temperature=rows.temperature,
-        top_k=rows.top_k,
-        top_p=rows.top_p,
-        seeds=rows.seeds,
-        output_index=_padded(np.maximum(end - num_prompt, 0) + rows.output_base, num_padded, 0, np.int64),
-        encoded={k: v for k, v in rows.decode_encoded.items() if k != "query_lens"},  # a prefill's are per step
+        slot_ids=fixed.slot_ids,
+        temperature=fixed.temperature,
+        top_k=fixed.top_k,
+        top_p=fixed.top_p,
+        seeds=fixed.seeds,
+        output_index=_padded(np.maximum(end - num_prompt, 0) + fixed.output_base, num_padded, 0, np.int64),
+        encoded={k: v for k, v in fixed.decode_encoded.items() if k != "query_lens"},  # a prefill's are per step
     )

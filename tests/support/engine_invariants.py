@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.model import TINY_LLAMA, TINY_LLAMA_CONFIG, ModelSpec, build_step_program
+from neuron_async_sm.outputs import StepSnapshot
 from neuron_async_sm.trace import StepObserver
 from neuron_async_sm.worker import async_machine as sm
-from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput, StepSnapshot
 from neuron_async_sm.worker.input_batch import POISON_TOKEN
 from support.reference import generate_alone
 
@@ -107,21 +108,28 @@ class Tracked:
 
 
 class Spy(StepObserver):
-    """Records every output the engine samples and every token write-back, without changing them;
-    on request, makes the write-back of one step raise (an output-thread fault).
+    """Records every step output the engine makes and materializes (from its trace events) and every
+    token write-back, without changing them; on request, makes the write-back of one step raise (an
+    output-thread fault).
 
-    The engine's step observer (`Tracer.observe`): its hooks run inside the engine's own code paths,
-    exactly the ones that run in production.
+    The engine's step observer (`Tracer.observe`) and a subscriber to its trace: both run inside the
+    engine's own code paths, exactly the ones that run in production.
     """
 
     def __init__(self, llm: LLM) -> None:
-        self.outputs: list[AsyncModelRunnerOutput] = []
+        self.outputs: set[int] = set()  # steps whose output was made (reinstate) or materialized, not yet checked
+        self.materialized: Counter[int] = Counter()  # step -> Materialize events (the output's transfers)
         self.write_backs: list[tuple[StepSnapshot, list[int]]] = []  # appended by whichever thread materializes
         self.explode_at_step: int | None = None  # this step's write-back raises, in whichever thread runs it
         llm.engine.tracer.observe(self)
+        llm.engine.tracer.subscribe(self._on_event)
 
-    def output_created(self, output: AsyncModelRunnerOutput) -> None:
-        self.outputs.append(output)
+    def _on_event(self, record: dict) -> None:
+        if record["event"] == "reinstate":  # the step's output was made: the runner's pending step
+            self.outputs.add(record["step"])
+        elif record["event"] == "Materialize":
+            self.outputs.add(record["step"])
+            self.materialized[record["step"]] += 1
 
     def write_back(self, snapshot: StepSnapshot, tokens: list[int]) -> None:
         if snapshot.step_id == self.explode_at_step:
@@ -131,14 +139,15 @@ class Spy(StepObserver):
     def check_materialized(self, llm: LLM) -> None:
         """At most once for every output; exactly once for every step the engine core has applied."""
         queued = {step.scheduled.step_id for step in llm.engine.batch_queue or ()}
-        still_open = []
-        for output in self.outputs:
-            count = output.materialize_count
-            assert count <= 1, f"step {output.step_id} materialized {count} times"
-            if output.step_id in queued:
-                still_open.append(output)
+        still_open = set()
+        for step_id in sorted(self.outputs):
+            count = self.materialized[step_id]
+            assert count <= 1, f"step {step_id} materialized {count} times"
+            if step_id in queued:
+                still_open.add(step_id)
             else:
-                assert count == 1, f"step {output.step_id} left the batch queue but was materialized {count} times"
+                assert count == 1, f"step {step_id} left the batch queue but was materialized {count} times"
+                del self.materialized[step_id]
         self.outputs = still_open  # checked for good: forget them (keeps long runs flat)
 
     def check_ownership(self, tracked: dict[str, Tracked]) -> None:
@@ -170,11 +179,11 @@ def check_slots(llm: LLM) -> None:
 
 
 def check_machine(llm: LLM) -> None:
-    """Between steps the machine rests (Idle or Reinstate, matching the buffer) and the counters add up."""
+    """Between steps the machine rests (Idle or Reinstate, matching the pending step) and the counters add up."""
     engine, runner = llm.engine, llm.engine.runner
     machine = runner.machine
     assert machine.state in (sm.IDLE, sm.REINSTATE), f"between steps in {machine.state}"
-    assert (machine.state == sm.REINSTATE) == (runner.buffer is not None), (machine.state, runner.buffer)
+    assert (machine.state == sm.REINSTATE) == (runner.pending is not None), (machine.state, runner.pending)
     assert machine.async_steps + machine.sync_fallback_steps == engine.num_steps, (machine.counters(), engine.num_steps)
     assert sum(machine.state_counts.values()) == engine.num_steps, (machine.counters(), engine.num_steps)
     async_steps = machine.state_counts[sm.STEADY] + machine.state_counts[sm.RELAY]
