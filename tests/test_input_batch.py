@@ -5,6 +5,7 @@ import random
 import torch
 
 from neuron_async_sm.config import EngineConfig
+from neuron_async_sm.model.inputs import INPUTS
 from neuron_async_sm.outputs import SchedulerOutput, StepSnapshot
 from neuron_async_sm.runtime import WireTensor
 from neuron_async_sm.sampling_params import SamplingParams
@@ -113,18 +114,21 @@ def test_vectorized_inputs_equal_the_per_request_reference_through_adds_removes_
         so = step(step_id, scheduled, {r: computed[r] for r in scheduled}, batch)
         got, want = build(so, batch), reference_inputs(CONFIG, so, batch)
         assert got.req_ids == tuple(r for r in batch.req_ids if r in scheduled)
-        assert got.input_ids.tolist() == want["ids"] and got.positions.tolist() == want["pos"]
+        assert got.tensor("input_ids").tolist() == want["ids"] and got.tensor("positions").tolist() == want["pos"]
         assert got.sample_positions == tuple(want["sample_positions"])
         for name in ("query_lens", "slot_ids", "top_k", "seeds", "output_index"):
-            assert getattr(got, name).tolist() == want[name], name
+            assert got.tensor(name).tolist() == want[name], name
         for name in ("temperature", "top_p"):
-            assert torch.allclose(getattr(got, name), torch.tensor(want[name], dtype=torch.float32)), name
-        # What the runtime is sent: the inputs encoded once with the rows are the step's own tensors.
-        sent, tensors = got.step_inputs(), got.program_inputs()
-        assert sent.keys() == tensors.keys() and len(got.encoded) == (9 if so.all_decode else 5)
-        for name, value in sent.items():
-            value = value.decode() if isinstance(value, WireTensor) else value
-            assert value.dtype == tensors[name].dtype and torch.equal(value, tensors[name]), name
+            assert torch.allclose(got.tensor(name), torch.tensor(want[name], dtype=torch.float32)), name
+        # What the runtime is sent: every declared input once, in its declared dtype and shape; a
+        # decode step's all encoded already, a prefill's those its rows fix.
+        assert got.inputs.keys() == INPUTS.keys()
+        shape = padded_input_shape(CONFIG, so)
+        for name, value in got.inputs.items():
+            assert value.dtype == INPUTS[name].dtype, name
+            assert tuple(value.shape) == (shape if INPUTS[name].per_token else shape[:1]), name
+        encoded = {name for name, value in got.inputs.items() if isinstance(value, WireTensor)}
+        assert encoded == (set(INPUTS) if so.all_decode else {"slot_ids", "temperature", "top_k", "top_p", "seeds"})
         for r, n in scheduled.items():
             computed[r] += n
         if rng.random() < 0.8:  # the step's write-back (sometimes late: the test never writes it)
@@ -148,7 +152,7 @@ def test_a_recycled_slot_holds_nothing_of_its_previous_owner():
     admit(batch, frozenset({"a"}), [state("b", [9, 9, 9], slot=0)])
     assert batch.requests["b"].token_ids == [9, 9, 9]
     so = step(1, {"b": 1}, {"b": 3}, batch)  # B decodes position 3 before its token there is known
-    assert build(so, batch).input_ids.tolist()[0] == POISON_TOKEN
+    assert build(so, batch).tensor("input_ids").tolist()[0] == POISON_TOKEN
 
 
 def test_a_late_write_back_for_a_removed_request_never_reaches_its_slots_new_owner():
@@ -189,7 +193,7 @@ def test_a_large_write_back_lands_in_the_arrays_the_inputs_read():
     scheduled = {f"r{i}": 1 for i in range(slots) if i != 5}
     so = SchedulerOutput(0, scheduled, dict.fromkeys(scheduled, 2), [], frozenset(), frozenset(), True)
     got = build(so, batch, EngineConfig(max_num_seqs=slots, max_model_len=16, decode_buckets=(64,)))
-    assert got.input_ids.tolist()[: slots - 1] == [100 + i for i in range(slots) if i != 5]
+    assert got.tensor("input_ids").tolist()[: slots - 1] == [100 + i for i in range(slots) if i != 5]
 
 
 def test_decode_ids_from_the_previous_steps_written_tokens_equal_the_gather():
@@ -227,9 +231,9 @@ def test_decode_ids_from_the_previous_steps_written_tokens_equal_the_gather():
         plain = build_model_input(CONFIG, so, batch, rows)  # the gather alone
         batch.last_written = last
         got = build_model_input(CONFIG, so, batch, rows)
-        assert got.input_ids.tolist() == plain.input_ids.tolist(), step_id
+        assert got.tensor("input_ids").tolist() == plain.tensor("input_ids").tolist(), step_id
         assert got.sample_positions == plain.sample_positions
-        start = tuple(plain.positions.tolist())
+        start = tuple(plain.tensor("positions").tolist())
         if so.all_decode and last is not None and _follows(last, step_id, rows.req_ids, start):
             taken += 1
         for r, n in scheduled.items():
@@ -258,9 +262,9 @@ def test_written_tokens_of_an_older_step_or_other_rows_are_never_the_ids():
         WrittenTokens(StepSnapshot(5, ("a",), (2,)), [41]),
     ]:
         batch.last_written = written
-        assert build(so, batch).input_ids.tolist()[0] == POISON_TOKEN
+        assert build(so, batch).tensor("input_ids").tolist()[0] == POISON_TOKEN
     batch.last_written = WrittenTokens(StepSnapshot(5, ("a",), (3,)), [77])  # the step just before, as written
-    assert build(so, batch).input_ids.tolist()[0] == 77
+    assert build(so, batch).tensor("input_ids").tolist()[0] == 77
 
 
 def test_ids_fed_from_a_future_are_not_built_and_poison_every_real_row():
@@ -272,9 +276,8 @@ def test_ids_fed_from_a_future_are_not_built_and_poison_every_real_row():
     rows = batch.plan(so, CONFIG)
     plain = build_model_input(CONFIG, so, batch, rows)
     fed = build_model_input(CONFIG, so, batch, rows, cpu_ids=False)
-    assert fed.input_ids.tolist() == [POISON_TOKEN] * 3 + [0]  # bucket 4: one padding row
-    assert fed.encoded["input_ids"].decode().tolist() == fed.input_ids.tolist()
-    for name, value in plain.program_inputs().items():
+    assert fed.tensor("input_ids").tolist() == [POISON_TOKEN] * 3 + [0]  # bucket 4: one padding row
+    for name in plain.inputs:
         if name != "input_ids":
-            assert torch.equal(value, fed.program_inputs()[name]), name
+            assert torch.equal(plain.tensor(name), fed.tensor(name)), name
     assert fed.sample_positions == plain.sample_positions

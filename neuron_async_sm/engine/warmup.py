@@ -1,7 +1,7 @@
 """The warm-up calls of the engine's programs: one per input shape serving can produce.
 
 A compiling device (XLA, Neuron) builds one program per input shape. Every shape the worker can
-enqueue follows from the config alone (`padded_input_shape`): `[decode bucket]` for an all-decode
+enqueue follows from the config alone (`input_batch.padded_input_shape`): `[decode bucket]` for an all-decode
 step, `[rows, prefill bucket]` for any other, rows in 1..max_num_seqs. Each call here is all padding
 (query_lens 0, the scratch slot), so running it writes only the scratch KV slot. With the relay on,
 its programs take the previous output padded to one row count (`relay_width`), so they too are one
@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from neuron_async_sm.config import EngineConfig
+from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, padding_inputs
 from neuron_async_sm.runtime import TensorSpec, WarmupCall
-from neuron_async_sm.worker.model_input import INPUT_IDS_DTYPE, SAMPLED_DTYPE, ModelInput, logits_dtype
+from neuron_async_sm.worker.model_input import SAMPLED_DTYPE, logits_dtype
 from neuron_async_sm.worker.model_runner import LOGITS_PROGRAM, RELAY_PAD_PROGRAM, STEP_PROGRAM, relay_width
 
 
@@ -25,29 +26,6 @@ def warmup_shapes(config: EngineConfig) -> list[tuple[int, ...]]:
     for length in (b for b in config.prefill_buckets if b <= widest):
         shapes.extend((rows, length) for rows in range(1, config.max_num_seqs + 1))
     return shapes
-
-
-def padding_input(config: EngineConfig, shape: tuple[int, ...]) -> ModelInput:
-    """An all-padding ModelInput whose input_ids have `shape`."""
-    rows = shape[0]
-
-    def full(value: float, dtype: torch.dtype) -> torch.Tensor:
-        return torch.full((rows,), value, dtype=dtype)  # [rows]
-
-    return ModelInput(
-        req_ids=(),
-        sample_positions=(),
-        is_decode=len(shape) == 1,
-        input_ids=torch.zeros(shape, dtype=INPUT_IDS_DTYPE),
-        positions=torch.zeros(shape, dtype=torch.int32),
-        query_lens=full(0, torch.int32),
-        slot_ids=full(config.max_num_seqs, torch.int32),  # the scratch slot
-        temperature=full(0.0, torch.float32),
-        top_k=full(0, torch.int32),
-        top_p=full(1.0, torch.float32),
-        seeds=full(0, torch.int64),
-        output_index=full(0, torch.int64),
-    )
 
 
 def warmup_calls(config: EngineConfig, vocab_size: int) -> list[WarmupCall]:
@@ -61,13 +39,15 @@ def warmup_calls(config: EngineConfig, vocab_size: int) -> list[WarmupCall]:
         calls = []
         for shape in warmup_shapes(config):
             out = TensorSpec((shape[0], vocab_size), logits_dtype(config.dtype))
-            calls.append(WarmupCall(_label(shape), LOGITS_PROGRAM, padding_input(config, shape).forward_inputs(), out))
+            inputs = padding_inputs(shape, config.max_num_seqs)  # the scratch slot is max_num_seqs
+            forward = {name: inputs[name] for name in FORWARD_INPUT_NAMES}
+            calls.append(WarmupCall(_label(shape), LOGITS_PROGRAM, forward, out))
         return calls
     width = relay_width(config)
     relay = config.async_scheduling and config.async_relay
     calls, relay_calls = [], []
     for shape in warmup_shapes(config):
-        inputs = padding_input(config, shape).program_inputs()
+        inputs = padding_inputs(shape, config.max_num_seqs)
         out = TensorSpec((shape[0],), SAMPLED_DTYPE)
         plain = WarmupCall(_label(shape), STEP_PROGRAM, inputs, out)
         if len(shape) == 1:  # Steady: the sampled tokens are the next input

@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from neuron_async_sm.model.config import LlamaConfig, load_model_config
+from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, padding_inputs
 from neuron_async_sm.model.kv_cache import KVCache
 from neuron_async_sm.model.llama import ForwardBatch, LlamaModel
 from neuron_async_sm.model.loader import load_weights
@@ -90,10 +91,9 @@ class StepProgram:
     ) -> torch.Tensor:
         """Sampled token ids, int32 `[B]`.
 
-        input_ids, positions: int32 `[B]` (decode) or `[B, L]`; query_lens, slot_ids: int32 `[B]`;
-        temperature: float32 `[B]` (0 = greedy); top_k: int32 `[B]` (0 = off); top_p: float32 `[B]`
-        (1.0 = off); seeds, output_index: int64 `[B]`; relay_tokens: integer `[P]`, the previous
-        step's sampled tokens (a future); relay_rows: int32 `[B]`, a row of relay_tokens or -1.
+        The nine step inputs are declared in `model/inputs.py` (`STEP_INPUTS`: dtypes, shapes,
+        padding). relay_tokens: integer `[P]`, the previous step's sampled tokens (a future);
+        relay_rows: int32 `[B]`, a row of relay_tokens or -1.
         """
         with self._no_autograd():
             batch = self._prepare(input_ids, positions, query_lens, slot_ids, relay_tokens, relay_rows)
@@ -141,11 +141,8 @@ class StepProgram:
         report = []
         for shape in tqdm(shapes, desc="compiling step programs", unit="shape", disable=None):
             rows, started = shape[0], time.perf_counter()
-            scratch = torch.full((rows,), self.scratch_slot, dtype=torch.int32)  # [rows] padding rows
-            zeros = torch.zeros(shape, dtype=torch.int32)
-            self.forward_logits(
-                input_ids=zeros, positions=zeros, query_lens=torch.zeros(rows, dtype=torch.int32), slot_ids=scratch
-            )
+            padding = padding_inputs(shape, self.scratch_slot)
+            self.forward_logits(**{name: padding[name] for name in FORWARD_INPUT_NAMES})
             label = f"decode bucket {rows}" if len(shape) == 1 else f"prefill {rows} x {shape[1]}"
             report.append((label, time.perf_counter() - started))
             logger.info("compiled %s: %.1f s", *report[-1])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import add
 
 import numpy as np
@@ -12,76 +12,45 @@ import torch
 
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.model import sample_tokens
+from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, INPUTS
 from neuron_async_sm.outputs import SchedulerOutput
 from neuron_async_sm.runtime import WireTensor
 from neuron_async_sm.worker.input_batch import POISON_TOKEN, InputBatch, StepRows, WrittenTokens
 
-_FORWARD_INPUTS = ("input_ids", "positions", "query_lens", "slot_ids")
 _plus_one = (1).__add__
-_STEP_INPUTS = (*_FORWARD_INPUTS, "temperature", "top_k", "top_p", "seeds", "output_index")
-INPUT_IDS_DTYPE = torch.int32
-SAMPLED_DTYPE = torch.int32  # the program's output; it must equal INPUT_IDS_DTYPE to feed the next step
+SAMPLED_DTYPE = INPUTS["input_ids"].dtype  # the program's output: it feeds the next step as its input_ids
+_NUMPY_DTYPE = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
 
 
 @dataclass(frozen=True)
 class ModelInput:
-    """Padded inputs of one program call. B = padded rows, L = padded tokens per row."""
+    """One program call's padded inputs. B = padded rows, L = padded tokens per row."""
 
     req_ids: tuple[str, ...]  # real rows in order; rows past len(req_ids) are padding
     sample_positions: tuple[int | None, ...]  # per real row: position of the token it samples
     is_decode: bool  # every row computes one decode token: input_ids is 1-D
-    input_ids: torch.Tensor  # int32 [B] (decode) or [B, L]
-    positions: torch.Tensor  # int32, same shape as input_ids
-    query_lens: torch.Tensor  # int32 [B]
-    slot_ids: torch.Tensor  # int32 [B]; padding rows use the scratch slot
-    temperature: torch.Tensor  # float32 [B]
-    top_k: torch.Tensor  # int32 [B]
-    top_p: torch.Tensor  # float32 [B]
-    seeds: torch.Tensor  # int64 [B]
-    output_index: torch.Tensor  # int64 [B]
-    # Inputs above that are already encoded for the runtime, by input name (a decode step: all of them;
-    # a prefill: its RowInputs'): the same bytes as the tensor, sent as is instead of encoded again.
-    encoded: Mapping[str, WireTensor] = field(default_factory=dict, repr=False, compare=False)
+    # The step program's inputs by name (`model/inputs.py` declares them: dtypes, shapes, padding),
+    # each kept once, as the runtime is sent it: a host tensor, or the bytes of one already encoded
+    # (every input of a decode step; a prefill's inputs fixed by its rows, see RowInputs).
+    inputs: Mapping[str, torch.Tensor | WireTensor]
 
     @property
     def num_rows(self) -> int:
-        return int(self.input_ids.shape[0])
+        return int(self.inputs["query_lens"].shape[0])
 
-    def step_inputs(self) -> dict[str, object]:
-        """`program_inputs()` for the runtime: the inputs in `encoded` as their WireTensors."""
-        encoded = self.encoded
-        if len(encoded) == len(_STEP_INPUTS):  # a decode step: every input is encoded
-            return dict(encoded)
-        return self.program_inputs() | encoded
+    def tensor(self, name: str) -> torch.Tensor:
+        """Input `name` as a host tensor (an encoded one decoded: a copy)."""
+        value = self.inputs[name]
+        return value.decode() if isinstance(value, WireTensor) else value
 
-    def program_inputs(self, input_ids: object | None = None) -> dict[str, object]:
-        """Keyword inputs of the step program; `input_ids` may be replaced by a device future."""
-        return {
-            "input_ids": self.input_ids if input_ids is None else input_ids,
-            "positions": self.positions,
-            "query_lens": self.query_lens,
-            "slot_ids": self.slot_ids,
-            "temperature": self.temperature,
-            "top_k": self.top_k,
-            "top_p": self.top_p,
-            "seeds": self.seeds,
-            "output_index": self.output_index,
-        }
-
-    def forward_inputs(self) -> dict[str, object]:
+    def forward_inputs(self) -> dict[str, torch.Tensor | WireTensor]:
         """Inputs of the logits-only program (host sampling)."""
-        return {k: v for k, v in self.program_inputs().items() if k in _FORWARD_INPUTS}
+        return {name: self.inputs[name] for name in FORWARD_INPUT_NAMES}
 
     def sample_on_host(self, logits: torch.Tensor) -> torch.Tensor:
         """Host sampling: the same pure sampler the device runs, on logits [B, vocab]."""
-        return sample_tokens(
-            logits,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            seeds=self.seeds,
-            output_index=self.output_index,
-        )
+        sampling = ("temperature", "top_k", "top_p", "seeds", "output_index")
+        return sample_tokens(logits, **{name: self.tensor(name) for name in sampling})
 
 
 def logits_dtype(dtype: str) -> torch.dtype:
@@ -103,14 +72,9 @@ class RowInputs:
     token_offsets: tuple[int, ...]  # [R] where each row's tokens start in InputBatch.token_flat
     output_index_offsets: tuple[int, ...]  # [R] 1 - num_prompt + output_base: a decode's output index is start + this
     output_base: np.ndarray  # int64 [R] outputs already in the prompt (a restarted request)
-    decode_query_lens: torch.Tensor  # int32 [B]: 1 per real row, 0 per padding row
-    slot_ids: torch.Tensor  # int32 [B]; padding rows use the scratch slot
-    temperature: torch.Tensor  # float32 [B]
-    top_k: torch.Tensor  # int32 [B]
-    top_p: torch.Tensor  # float32 [B]
-    seeds: torch.Tensor  # int64 [B]
-    # The decode step's inputs among these, encoded once for the runtime (ModelInput.encoded).
-    decode_encoded: Mapping[str, WireTensor]
+    # Encoded once for the runtime, [B] each: slot_ids (padding rows: the scratch slot), temperature,
+    # top_k, top_p, seeds, and query_lens of a decode step (1 per real row; a prefill's are per step).
+    encoded: Mapping[str, WireTensor]
 
 
 def _follows(written: WrittenTokens, step_id: int, req_ids: tuple[str, ...], start: tuple[int, ...]) -> bool:
@@ -123,10 +87,12 @@ def _follows(written: WrittenTokens, step_id: int, req_ids: tuple[str, ...], sta
     return snapshot.step_id == step_id - 1 and snapshot.req_ids == req_ids and snapshot.sample_positions == start
 
 
-def _padded(values: np.ndarray, num_padded: int, fill: float, dtype: type) -> torch.Tensor:
-    out = np.full(num_padded, fill, dtype=dtype)  # [B]
+def _padded(values: np.ndarray, num_padded: int, name: str, fill: float | None = None) -> np.ndarray:
+    """Step input `name` [B]: `values` in the real rows, the input's padding (or `fill`) after them."""
+    spec = INPUTS[name]
+    out = np.full(num_padded, spec.pad if fill is None else fill, dtype=_NUMPY_DTYPE[spec.dtype])  # [B]
     out[: len(values)] = values
-    return torch.from_numpy(out)
+    return out
 
 
 def row_inputs(
@@ -137,12 +103,12 @@ def row_inputs(
     if isinstance(cached, RowInputs) and cached.num_padded == num_padded and cached.req_ids == req_ids:
         return cached
     fixed = {
-        "query_lens": _padded(np.ones(len(req_ids)), num_padded, 0, np.int32),
-        "slot_ids": _padded(slots, num_padded, config.max_num_seqs, np.int32),  # padding rows use the scratch slot
-        "temperature": _padded(batch.temperature[slots], num_padded, 0.0, np.float32),
-        "top_k": _padded(batch.top_k[slots], num_padded, 0, np.int32),
-        "top_p": _padded(batch.top_p[slots], num_padded, 1.0, np.float32),
-        "seeds": _padded(batch.seeds[slots], num_padded, 0, np.int64),
+        "query_lens": _padded(np.ones(len(req_ids)), num_padded, "query_lens"),
+        "slot_ids": _padded(slots, num_padded, "slot_ids", config.max_num_seqs),  # padding rows: the scratch slot
+        "temperature": _padded(batch.temperature[slots], num_padded, "temperature"),
+        "top_k": _padded(batch.top_k[slots], num_padded, "top_k"),
+        "top_p": _padded(batch.top_p[slots], num_padded, "top_p"),
+        "seeds": _padded(batch.seeds[slots], num_padded, "seeds"),
     }
     rows = RowInputs(
         req_ids=req_ids,
@@ -151,13 +117,7 @@ def row_inputs(
         token_offsets=tuple((slots * batch.max_model_len).tolist()),
         output_index_offsets=tuple((1 - batch.num_prompt_tokens[slots] + batch.output_base[slots]).tolist()),
         output_base=batch.output_base[slots],
-        decode_query_lens=fixed["query_lens"],
-        slot_ids=fixed["slot_ids"],
-        temperature=fixed["temperature"],
-        top_k=fixed["top_k"],
-        top_p=fixed["top_p"],
-        seeds=fixed["seeds"],
-        decode_encoded={name: WireTensor.encode(tensor) for name, tensor in fixed.items()},
+        encoded={name: WireTensor(value.tobytes(), (num_padded,), INPUTS[name].dtype) for name, value in fixed.items()},
     )
     batch.row_inputs_cache = rows
     return rows
@@ -203,29 +163,15 @@ def build_model_input(
             ids.extend(pad)
             pos.extend(pad)
             output_index.extend(pad)
-        # Encoded from the buffers as the tensors are made: the runtime gets every input of a decode
-        # step as bytes and encodes nothing (the tensors below share these buffers, never written).
-        encoded = {
-            **fixed.decode_encoded,
-            "input_ids": WireTensor(ids.tobytes(), shape, torch.int32),
-            "positions": WireTensor(pos.tobytes(), shape, torch.int32),
-            "output_index": WireTensor(output_index.tobytes(), shape, torch.int64),
+        # Encoded from the buffers: the runtime gets every input of a decode step as bytes and
+        # encodes nothing.
+        inputs = {
+            **fixed.encoded,
+            "input_ids": WireTensor(ids.tobytes(), shape, INPUTS["input_ids"].dtype),
+            "positions": WireTensor(pos.tobytes(), shape, INPUTS["positions"].dtype),
+            "output_index": WireTensor(output_index.tobytes(), shape, INPUTS["output_index"].dtype),
         }
-        return ModelInput(
-            req_ids=req_ids,
-            sample_positions=end,
-            is_decode=True,
-            input_ids=torch.frombuffer(ids, dtype=torch.int32),
-            positions=torch.frombuffer(pos, dtype=torch.int32),
-            query_lens=fixed.decode_query_lens,
-            slot_ids=fixed.slot_ids,
-            temperature=fixed.temperature,
-            top_k=fixed.top_k,
-            top_p=fixed.top_p,
-            seeds=fixed.seeds,
-            output_index=torch.frombuffer(output_index, dtype=torch.int64),
-            encoded=encoded,
-        )
+        return ModelInput(req_ids, end, True, inputs)
     start = np.fromiter(map(computed.__getitem__, req_ids), np.int64, num_rows)  # [R]
     width = shape[1]
     count = np.fromiter(map(scheduled.num_scheduled_tokens.__getitem__, req_ids), np.int64, num_rows)  # [R]
@@ -241,18 +187,13 @@ def build_model_input(
     sample_positions = end.tolist()
     for i in np.flatnonzero(end < num_prompt).tolist():  # a partial prefill chunk samples nothing
         sample_positions[i] = None
-    return ModelInput(
-        req_ids=req_ids,
-        sample_positions=tuple(sample_positions),
-        is_decode=False,
-        input_ids=torch.from_numpy(ids),
-        positions=torch.from_numpy(pos),
-        query_lens=_padded(count, num_padded, 0, np.int32),
-        slot_ids=fixed.slot_ids,
-        temperature=fixed.temperature,
-        top_k=fixed.top_k,
-        top_p=fixed.top_p,
-        seeds=fixed.seeds,
-        output_index=_padded(np.maximum(end - num_prompt, 0) + fixed.output_base, num_padded, 0, np.int64),
-        encoded={k: v for k, v in fixed.decode_encoded.items() if k != "query_lens"},  # a prefill's are per step
-    )
+    inputs = {
+        "input_ids": torch.from_numpy(ids),
+        "positions": torch.from_numpy(pos),
+        "query_lens": torch.from_numpy(_padded(count, num_padded, "query_lens")),  # a prefill's are per step
+        **{name: value for name, value in fixed.encoded.items() if name != "query_lens"},
+        "output_index": torch.from_numpy(
+            _padded(np.maximum(end - num_prompt, 0) + fixed.output_base, num_padded, "output_index")
+        ),
+    }
+    return ModelInput(req_ids, tuple(sample_positions), False, inputs)

@@ -140,14 +140,14 @@ class ModelRunner:
         if trace is not None:
             trace.relay_from = list(fed_rows) if plan.input_source is sm.InputSource.RELAYED_FUTURE else []
             trace.inputs = self._traced_inputs(plan.input_source, model_input, fed_rows)
+        num_rows = rows.shape[0]  # B
         if self.config.on_device_sampling:
-            num_rows = model_input.num_rows
             out = self._sampled_specs.get(num_rows)
             if out is None:  # one per bucket, kept: a TensorSpec validates itself when built
                 out = self._sampled_specs[num_rows] = TensorSpec((num_rows,), SAMPLED_DTYPE)
-            future = self.runtime.enqueue(STEP_PROGRAM, model_input.step_inputs() | fed, out)
+            future = self.runtime.enqueue(STEP_PROGRAM, {**model_input.inputs, **fed}, out)
         else:  # sync mode only (config validation): the program returns logits
-            out = TensorSpec((model_input.num_rows, self.vocab_size), logits_dtype(self.config.dtype))
+            out = TensorSpec((num_rows, self.vocab_size), logits_dtype(self.config.dtype))
             future = self.runtime.enqueue(LOGITS_PROGRAM, model_input.forward_inputs(), out)
         self._executed = ExecutedStep(scheduled, model_input, future, trace)
 
@@ -203,7 +203,7 @@ class ModelRunner:
         assert self.pending is not None, "the machine plans a future input only when one is pending"
         if source is sm.InputSource.FUTURE:
             # Device-to-device feed: the previous step's sampled tokens are this step's input ids.
-            return {"input_ids": self.pending.future}, range(model_input.num_rows)  # row i reads row i
+            return {"input_ids": self.pending.future}, range(len(model_input.req_ids))  # row i reads row i
         if source is sm.InputSource.RELAYED_FUTURE:
             # The future is an ordinary program input, as in Steady; the program gathers from it.
             relay = self._relay_rows(model_input)
@@ -237,8 +237,9 @@ class ModelRunner:
         snapshot = self.pending.snapshot
         owners = zip(snapshot.req_ids, snapshot.sample_positions, strict=True)
         sampled = {(req_id, p): j for j, (req_id, p) in enumerate(owners) if p is not None}  # (id, position) -> row
-        first = (model_input.positions if model_input.is_decode else model_input.positions[:, 0]).tolist()  # [B]
-        rows = [-1] * model_input.num_rows
+        positions = model_input.tensor("positions")
+        first = (positions if model_input.is_decode else positions[:, 0]).tolist()  # [B]
+        rows = [-1] * len(first)
         for i, req_id in enumerate(model_input.req_ids):
             rows[i] = sampled.get((req_id, first[i]), -1)
         return rows
@@ -286,8 +287,9 @@ class ModelRunner:
         """Per row, the input id it computes on, as the program gets it: `["prompt"]`,
         `["future", j]` (row j of the pending future, as is, remapped or relayed) or
         `["host", token, position]` (the CPU-built id; POISON_TOKEN when the host lacks it)."""
-        first = (model_input.positions if model_input.is_decode else model_input.positions[:, 0]).tolist()
-        ids = (model_input.input_ids if model_input.is_decode else model_input.input_ids[:, 0]).tolist()
+        positions, input_ids = model_input.tensor("positions"), model_input.tensor("input_ids")
+        first = (positions if model_input.is_decode else positions[:, 0]).tolist()
+        ids = (input_ids if model_input.is_decode else input_ids[:, 0]).tolist()
         from_future = source in (sm.InputSource.FUTURE, sm.InputSource.REMAPPED_FUTURE)
         rows: list[list] = []
         for i, req_id in enumerate(model_input.req_ids):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from neuron_async_sm.model.inputs import padding_inputs
 from neuron_async_sm.model.program import StepProgram
 
 
@@ -36,33 +37,15 @@ def pack_step(
     length = max(len(r.token_ids) for r in rows) if length is None else length
     if num_rows < len(rows) or any(len(r.token_ids) > length for r in rows):
         raise ValueError(f"{len(rows)} rows do not fit a [{num_rows}, {length}] step")
-    ids = torch.zeros(num_rows, length, dtype=torch.int32)  # [B, L]
-    positions = torch.zeros(num_rows, length, dtype=torch.int32)  # [B, L]
-    query_lens = torch.zeros(num_rows, dtype=torch.int32)  # [B]
-    slot_ids = torch.full((num_rows,), scratch_slot, dtype=torch.int32)  # [B]
-    temperature = torch.zeros(num_rows, dtype=torch.float32)  # [B]
-    top_k = torch.zeros(num_rows, dtype=torch.int32)  # [B]
-    top_p = torch.ones(num_rows, dtype=torch.float32)  # [B]
-    seeds = torch.zeros(num_rows, dtype=torch.int64)  # [B]
-    output_index = torch.zeros(num_rows, dtype=torch.int64)  # [B]
+    step = padding_inputs((num_rows, length), scratch_slot)  # [B, L] ids and positions, the rest [B]
     for b, row in enumerate(rows):
         n = len(row.token_ids)
-        ids[b, :n] = torch.tensor(row.token_ids, dtype=torch.int32)
-        positions[b, :n] = torch.arange(row.start_position, row.start_position + n, dtype=torch.int32)
-        query_lens[b], slot_ids[b] = n, row.slot
-        temperature[b], top_k[b], top_p[b] = row.temperature, row.top_k, row.top_p
-        seeds[b], output_index[b] = row.seed, row.output_index
-    return dict(
-        input_ids=ids,
-        positions=positions,
-        query_lens=query_lens,
-        slot_ids=slot_ids,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seeds=seeds,
-        output_index=output_index,
-    )
+        step["input_ids"][b, :n] = torch.tensor(row.token_ids, dtype=torch.int32)
+        step["positions"][b, :n] = torch.arange(row.start_position, row.start_position + n, dtype=torch.int32)
+        step["query_lens"][b], step["slot_ids"][b] = n, row.slot
+        step["temperature"][b], step["top_k"][b], step["top_p"][b] = row.temperature, row.top_k, row.top_p
+        step["seeds"][b], step["output_index"][b] = row.seed, row.output_index
+    return step
 
 
 def generate_alone(
