@@ -103,16 +103,16 @@ NextRowOrder(rs, removed, added) ==
 (* The machine's decision: async_machine.decide(), conditions in table order. *)
 
 CompositionChanged(o) == Range(o.prevReqIds) # Range(o.currReqIds)
-ShapeMismatch(o) == ~o.allDecode \/ o.pendingShape # o.inputShape \/ o.pendingDtype # o.inputDtype
+FutureDoesNotFit(o) == ~o.allDecode \/ o.pendingShape # o.inputShape \/ o.pendingDtype # o.inputDtype
 OrderChanged(o) == o.prevReqIds # o.currReqIds
 \* The engine relays and the future cannot be the input as it is (what would otherwise break).
-RelayCovers(o) == o.relay /\ (CompositionChanged(o) \/ ShapeMismatch(o) \/ OrderChanged(o))
+RelayCovers(o) == o.relay /\ (CompositionChanged(o) \/ FutureDoesNotFit(o) \/ OrderChanged(o))
 
 Decide(o) ==
     IF ~o.hasPending THEN "NoPendingFuture"
     ELSE IF RelayCovers(o) THEN "Relay"
     ELSE IF CompositionChanged(o) THEN "CompositionBreak"
-    ELSE IF ShapeMismatch(o) THEN "ShapeMismatchRebuild"
+    ELSE IF FutureDoesNotFit(o) THEN "ShapeMismatchRebuild"
     ELSE IF OrderChanged(o) THEN "ReorderRemap"
     ELSE "Steady"
 

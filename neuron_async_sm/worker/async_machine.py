@@ -80,7 +80,9 @@ def composition_changed(obs: StepObservation) -> bool:
     return obs.prev_req_ids != obs.curr_req_ids and frozenset(obs.prev_req_ids) != frozenset(obs.curr_req_ids)
 
 
-def shape_mismatch(obs: StepObservation) -> bool:
+def future_does_not_fit(obs: StepObservation) -> bool:
+    # Not only a bucket change: any step that is not all-decode (its input is [rows, L]), and a dtype
+    # the device produced other than the input's.
     return not obs.all_decode or obs.pending_shape != obs.input_shape or obs.pending_dtype != obs.input_dtype
 
 
@@ -91,7 +93,7 @@ def order_changed(obs: StepObservation) -> bool:
 def relay_covers(obs: StepObservation) -> bool:
     # The future cannot be the input as it is, and the engine relays. The spec (RelayFrom) shows
     # every row is then covered: a row's newest token is in this future or already on the host.
-    return obs.relay and (composition_changed(obs) or shape_mismatch(obs) or order_changed(obs))
+    return obs.relay and (composition_changed(obs) or future_does_not_fit(obs) or order_changed(obs))
 
 
 Predicate = Callable[[StepObservation], bool]
@@ -99,7 +101,7 @@ Predicate = Callable[[StepObservation], bool]
 CONDITIONS: dict[str, Predicate] = {
     "relay_covers": relay_covers,
     "composition_changed": composition_changed,
-    "shape_mismatch": shape_mismatch,
+    "future_does_not_fit": future_does_not_fit,
     "order_changed": order_changed,
 }
 
@@ -108,7 +110,7 @@ TRANSITIONS: tuple[dict, ...] = (
     {"trigger": "step", "source": IDLE, "dest": NO_PENDING_FUTURE},
     {"trigger": "step", "source": REINSTATE, "dest": RELAY, "conditions": "relay_covers"},
     {"trigger": "step", "source": REINSTATE, "dest": COMPOSITION_BREAK, "conditions": "composition_changed"},
-    {"trigger": "step", "source": REINSTATE, "dest": SHAPE_MISMATCH_REBUILD, "conditions": "shape_mismatch"},
+    {"trigger": "step", "source": REINSTATE, "dest": SHAPE_MISMATCH_REBUILD, "conditions": "future_does_not_fit"},
     {"trigger": "step", "source": REINSTATE, "dest": REORDER_REMAP, "conditions": "order_changed"},
     {"trigger": "step", "source": REINSTATE, "dest": STEADY},
     {"trigger": "reinstate", "source": list(PATH_STATES), "dest": REINSTATE},
