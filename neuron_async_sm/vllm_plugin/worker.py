@@ -30,12 +30,12 @@ from neuron_async_sm.engine.warmup import warmup_calls
 from neuron_async_sm.model import load_model_config
 from neuron_async_sm.model.parallel import TensorParallelGroup
 from neuron_async_sm.model.spec import TORCH_DTYPES
-from neuron_async_sm.outputs import ModelRunnerOutput, SchedulerOutput
+from neuron_async_sm.outputs import ModelRunnerOutput, SchedulerOutput, StepSnapshot
 from neuron_async_sm.trace import StepObserver, Tracer
 from neuron_async_sm.vllm_plugin.batch import BatchTranslator
 from neuron_async_sm.vllm_plugin.config import PluginOptions, engine_config
 from neuron_async_sm.vllm_plugin.engine_hooks import EVENTS_ATTR, ORDINAL_ATTR
-from neuron_async_sm.worker.async_output import OUTPUT_THREAD_NAME, AsyncModelRunnerOutput, StepSnapshot
+from neuron_async_sm.worker.async_output import OUTPUT_THREAD_NAME, AsyncModelRunnerOutput
 from neuron_async_sm.worker.model_runner import ModelRunner, relay_width
 
 logger = logging.getLogger("neuron_async_sm")
@@ -73,14 +73,12 @@ class VllmAsyncOutput(VllmAsyncModelRunnerOutput):
 
 
 class OutputCounter(StepObserver):
-    """Counts the step outputs this rank creates and the ones it materializes (brings to the host)."""
+    """Counts the step outputs this rank creates (`NeuronAsyncSMWorker.sample_tokens`) and the ones it
+    materializes (brings to the host)."""
 
     def __init__(self) -> None:
         self.created = 0
         self.materialized = 0
-
-    def output_created(self, output: AsyncModelRunnerOutput) -> None:
-        self.created += 1
 
     def write_back(self, snapshot: StepSnapshot, tokens: list[int]) -> None:
         self.materialized += 1
@@ -240,6 +238,7 @@ class NeuronAsyncSMWorker(WorkerBase):
         step, self._step = self._step, None
         assert step is not None, "sample_tokens() without a step"
         output = self.runner.sample_tokens()
+        self.counter.created += 1  # one output per step, whatever the mode or rank
         if isinstance(output, ModelRunnerOutput):  # sync mode, output rank: the tokens are here
             return vllm_output(output, step.sampling_req_ids)
         if not self.runner.use_async_scheduling:
