@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from support.faulty_runtime import faulty_runtime
-from support.mutants import mutant_env, mutant_package
+from support.mutants import WRITE_BACK_BY_CURRENT_ROW, mutant_env, mutant_package
 from support.processes import config_flags, generate_argv
 from support.workloads import drive, prompt_lines, random_workload
 from tlc import PARALLEL_RUNS
@@ -206,14 +206,7 @@ def record_mutant(root: Path, seed: int, **overrides: object) -> list[dict]:
 def test_trace_of_an_engine_writing_back_by_current_row_fails_an_invariant(tlc_available, tmp_path):
     """A held-out mutant, run for real: the write-back addresses rows by their current order, not by
     the snapshot. Its trace is rejected by an invariant on the first input that reads a misplaced token."""
-    root = mutant_package(
-        tmp_path,
-        "worker/input_batch.py",
-        "            self.write_tokens(snapshot.req_ids, snapshot.sample_positions, tokens)\n",
-        "            rows = self.req_ids[: len(snapshot.req_ids)]  # MUTANT: by current row\n"
-        "            owners = rows + snapshot.req_ids[len(rows) :]\n"
-        "            self.write_tokens(owners, snapshot.sample_positions, tokens)\n",
-    )
+    root = mutant_package(tmp_path, *WRITE_BACK_BY_CURRENT_ROW)
     for seed in (6, 5, 9, 12, 13):  # SEEDS, 6 first: without its aborts, seed 5's run reads no misplaced token
         verdict = check_trace(record_mutant(root, seed, async_relay=False))
         if not verdict.accepted:

@@ -28,6 +28,18 @@ def mutant_package(root: Path, module: str, original: str, mutated: str) -> Path
     return root
 
 
+# The held-out write-back mutant: tokens addressed by the rows' current order, not by the step's snapshot
+# (after a reorder a request's token lands in another request's state). model_check and the vLLM lane
+# both run it and expect TokenOwnershipInv or NoStaleInputInv to reject its trace.
+WRITE_BACK_BY_CURRENT_ROW = (
+    "worker/input_batch.py",
+    "            self.write_tokens(snapshot.req_ids, snapshot.sample_positions, tokens)\n",
+    "            rows = self.req_ids[: len(snapshot.req_ids)]  # MUTANT: by current row\n"
+    "            owners = rows + snapshot.req_ids[len(rows) :]\n"
+    "            self.write_tokens(owners, snapshot.sample_positions, tokens)\n",
+)
+
+
 def mutant_env(root: Path) -> dict[str, str]:
     """This process's environment with the mutant package at `root` first on PYTHONPATH."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}

@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from support.mutants import mutant_package
+from support.mutants import WRITE_BACK_BY_CURRENT_ROW, mutant_package
 from support.serve_harness import write_text_model
 from support.vllm_harness import needs_vllm, run_case
 from tlc import missing_reason
@@ -96,14 +96,7 @@ def test_trace_of_a_worker_writing_back_by_current_row_under_vllm_is_rejected(ck
     the step's snapshot: after a reorder a request's token lands in another request's state, and the
     first CPU-built input that reads it breaks the spec's invariants."""
     require_tlc()
-    root = mutant_package(
-        tmp_path / "mutant",
-        "worker/model_runner.py",
-        "            self.batch.write_tokens(snapshot.req_ids, snapshot.sample_positions, tokens)\n",
-        "            rows = tuple(self.batch.req_ids)[: len(snapshot.req_ids)]  # MUTANT: by current row\n"
-        "            owners = rows + snapshot.req_ids[len(rows) :]\n"
-        "            self.batch.write_tokens(owners, snapshot.sample_positions, tokens)\n",
-    )
+    root = mutant_package(tmp_path / "mutant", *WRITE_BACK_BY_CURRENT_ROW)
     trace = tmp_path / "mutant.ndjson"
     args = {"ckpt": ckpt, "workload": workload(), "runs": [traced_run("mutant", trace)]}
     # The device may reject a misplaced token's stale input and end the run: the trace is whole up to there.
