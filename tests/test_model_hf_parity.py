@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.reference import generate_alone
+from support.reference import generate_alone, hf_greedy
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.model import ModelSpec, build_step_program, load_model_config
@@ -46,17 +46,6 @@ def save_hf_model(path: Path, *, seed: int = 0, **overrides) -> transformers.Lla
     return model
 
 
-def hf_greedy(model: transformers.LlamaForCausalLM, prompt: list[int]) -> list[int]:
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        do_sample=False,
-        max_new_tokens=NEW_TOKENS,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
 def ours_greedy(path: Path, dtype: str) -> list[list[int]]:
     program = build_step_program(ModelSpec(str(path), dtype, max_num_seqs=4, max_model_len=64))
     return [generate_alone(program, prompt, NEW_TOKENS, slot=i % 4) for i, prompt in enumerate(PROMPTS)]
@@ -67,7 +56,7 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path: Path, dtype: str) -
     model = save_hf_model(tmp_path)
     if dtype == "float64":
         model = model.double()
-    expected = [hf_greedy(model, p) for p in PROMPTS]
+    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
     assert len({tuple(e) for e in expected}) == len(PROMPTS)  # the prompts really lead apart
     assert ours_greedy(tmp_path, dtype) == expected
 
@@ -75,7 +64,7 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path: Path, dtype: str) -
 def test_tied_embeddings_checkpoint_matches(tmp_path: Path) -> None:
     model = save_hf_model(tmp_path, tie_word_embeddings=True, seed=1)
     assert load_model_config(str(tmp_path)).tie_word_embeddings
-    assert ours_greedy(tmp_path, "float32") == [hf_greedy(model, p) for p in PROMPTS]
+    assert ours_greedy(tmp_path, "float32") == [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
 
 
 def test_pytorch_model_bin_checkpoint_matches(tmp_path: Path) -> None:
@@ -83,7 +72,7 @@ def test_pytorch_model_bin_checkpoint_matches(tmp_path: Path) -> None:
     model = save_hf_model(tmp_path, seed=2)
     (tmp_path / "model.safetensors").unlink()
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
-    assert ours_greedy(tmp_path, "float32") == [hf_greedy(model, p) for p in PROMPTS]
+    assert ours_greedy(tmp_path, "float32") == [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
 
 
 def test_sharded_safetensors_checkpoint_matches(tmp_path: Path) -> None:
@@ -92,7 +81,7 @@ def test_sharded_safetensors_checkpoint_matches(tmp_path: Path) -> None:
     model.save_pretrained(tmp_path / "sharded", max_shard_size="60KB")
     assert len(list((tmp_path / "sharded").glob("model-*-of-*.safetensors"))) > 1
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
-    assert ours_greedy(tmp_path / "sharded", "float32") == [hf_greedy(model, p) for p in PROMPTS]
+    assert ours_greedy(tmp_path / "sharded", "float32") == [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
 
 
 def test_llama3_rope_scaling_logits_match(tmp_path: Path) -> None:
@@ -129,7 +118,7 @@ def test_engine_takes_max_model_len_from_the_checkpoint_and_matches_transformers
 ) -> None:
     model = save_hf_model(tmp_path, seed=5)
     assert load_model_config(str(tmp_path)).max_position_embeddings == 256  # below the old default 512
-    expected = [hf_greedy(model, p) for p in PROMPTS]
+    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
     with LLM(str(tmp_path), device="cpu-inprocess", async_scheduling=async_scheduling) as llm:
         assert llm.config.max_model_len == 256
         outputs = llm.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=NEW_TOKENS))
@@ -165,4 +154,4 @@ def test_cli_generates_from_the_checkpoint_without_max_model_len(tmp_path: Path)
     assert proc.returncode == 0, proc.stderr
     assert "max_model_len=256 (the model's max_position_embeddings)" in proc.stderr
     results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["output_token_ids"] for r in results] == [hf_greedy(model, p) for p in PROMPTS]
+    assert [r["output_token_ids"] for r in results] == [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]

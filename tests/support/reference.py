@@ -75,3 +75,17 @@ def generate_alone(
         row = RowStep((out[-1],), len(prompt) + len(out) - 1, slot, output_index=len(out), **sampling)
         out.append(int(program(**pack_step([row], program.scratch_slot))[0]))
     return out
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """`transformers`' greedy continuation of one prompt (no padding, no early stop on EOS): the
+    reference our engine and the vLLM plugin are held to."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    return out[0, len(prompt) :].tolist()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.reference import hf_greedy
 from support.serve_harness import write_text_model
 from support.vllm_harness import OUR_PLATFORM, needs_vllm, run_case
 
@@ -62,18 +63,7 @@ def transformers_greedy(ckpt: str, prompts: list[list[int]], new_tokens: int) ->
     import transformers
 
     model = transformers.LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    outputs = []
-    for prompt in prompts:
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return [hf_greedy(model, prompt, new_tokens) for prompt in prompts]
 
 
 def tokens_of(result: dict) -> dict[str, list[int]]:
