@@ -84,6 +84,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    index: int = 0  # which of its prompt's n sequences (SamplingParams.n) this is
 
     def to_json(self) -> dict:
         return {

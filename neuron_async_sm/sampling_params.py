@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from neuron_async_sm.errors import NeuronAsyncSMError
 from neuron_async_sm.values import is_int, is_number
@@ -18,6 +18,7 @@ class SamplingParams:
 
     Sampling is a pure function of (logits, seed, output index), so a request yields the same tokens
     whatever batch it runs in. A request without a seed gets one from the engine's seeded generator.
+    `n` > 1 asks for n sequences of one prompt: they run as n child requests (`children()`).
     """
 
     max_tokens: int = 16
@@ -27,6 +28,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1  # sequences of one prompt (vLLM's parallel sampling); the engine itself runs n=1 only
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
@@ -48,3 +50,20 @@ class SamplingParams:
             raise InvalidRequestError(f"stop_token_ids: must be non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos: must be true or false, got {self.ignore_eos!r}")
+        if not is_int(self.n) or self.n < 1:
+            raise InvalidRequestError(f"n: must be an integer >= 1, got {self.n!r}")
+        if self.seed is not None and self.seed + self.n > 2**63:
+            raise InvalidRequestError(f"seed: the children's seeds seed..seed+n-1 must be < 2**63, got {self.seed!r}")
+
+    def children(self) -> list[SamplingParams]:
+        """The child requests of n sequences, each of n=1 (vLLM's parallel sampling): child i is seeded
+        `seed + i`, so its tokens are those of a request of its own with that seed; unseeded children
+        each get their own seed from the engine, as any unseeded request does."""
+        if self.n == 1:
+            return [self]
+        return [replace(self, n=1, seed=None if self.seed is None else self.seed + i) for i in range(self.n)]
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    """The engine request id of the `index`-th child of `request_id` (vLLM's own scheme)."""
+    return f"{index}_{request_id}"

@@ -194,7 +194,7 @@ def _error(exc: openai.APIStatusError) -> dict:
         (dict(prompt="w5", extra_body={"bogus": 1}), "bogus"),  # unknown field
         (dict(prompt="w5", max_tokens="ten"), "max_tokens"),  # bad type
         (dict(prompt=[5, True]), "prompt"),  # bad type inside the prompt
-        (dict(prompt="w5", n=2), "n"),  # n > 1 is not supported
+        (dict(prompt="w5", n=0), "n"),  # n sequences: at least one
         (dict(prompt="w5", temperature=-1.0), "temperature"),  # the engine's own check, field named
         (dict(prompt=" ".join(["w5"] * 96)), "prompt"),  # no room for output under max_model_len
         (dict(prompt="w5", max_tokens=200), "max_tokens"),  # prompt + max_tokens over max_model_len
@@ -494,9 +494,9 @@ HONOURED = {
     "stop",
     "stream_options",
     "user",
+    "n",
 }
 NOT_NEUTRAL = {  # accepted at their neutral value only; these values are refused by name
-    "n": 2,
     "best_of": 2,
     "echo": True,
     "logprobs": 1,

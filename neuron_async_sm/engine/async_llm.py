@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from neuron_async_sm.engine.core import EngineDeadError
 from neuron_async_sm.engine.llm import LLM
 from neuron_async_sm.outputs import RequestDelta
-from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
+from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams, child_request_id
 
 logger = logging.getLogger("neuron_async_sm")
 
@@ -105,7 +105,8 @@ class RequestStream:
 
 
 class AsyncLLM:
-    """Asyncio front end over one `LLM`: `await add_request()`, iterate the stream, `abort()`.
+    """Asyncio front end over one `LLM`: `await add_request()`, iterate the stream, `abort()`
+    (`add_parallel_request()`: n sequences of one prompt, a stream each).
 
     `observers` are called on the engine thread after each turn with the `EngineTurn` (metrics);
     the engine's own tracer is how they see step-level events.
@@ -181,6 +182,28 @@ class AsyncLLM:
             self.abort(request_id)
             raise
         return stream
+
+    async def add_parallel_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> list[RequestStream]:
+        """`params.n` sequences of one prompt, as n child requests (`params.children()`: child i seeded
+        `seed + i`, id `"{i}_{request_id}"`); their streams in child order, each ending on its own.
+
+        All or none: if one child is refused, the children already added are aborted and the refusal raised.
+        """
+        children = params.children()
+        if len(children) == 1:
+            return [await self.add_request(prompt_token_ids, params, request_id)]
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        streams: list[RequestStream] = []
+        try:
+            for index, child in enumerate(children):
+                streams.append(await self.add_request(prompt_token_ids, child, child_request_id(request_id, index)))
+        except BaseException:
+            for stream in streams:
+                self.abort(stream.request_id)
+            raise
+        return streams
 
     def abort(self, request_id: str, finish_reason: str = "abort") -> None:
         """Nobody listens any more: drop the stream now, abort the request on the engine thread.

@@ -168,6 +168,8 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._check_alive()
+        if params.n != 1:  # one engine request is one sequence: n children are n requests (params.children())
+            raise InvalidRequestError(f"n: the engine runs one sequence a request; split n={params.n} with children()")
         if not isinstance(prompt_token_ids, (list, tuple)):
             raise InvalidRequestError(f"prompt_token_ids: must be a list of integers, got {prompt_token_ids!r}")
         # An unseeded request's seed depends only on the engine seed and how many requests were

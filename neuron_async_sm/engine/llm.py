@@ -12,7 +12,7 @@ from neuron_async_sm.engine.core import EngineCore
 from neuron_async_sm.model import tokenizer_path
 from neuron_async_sm.outputs import RequestDelta, RequestOutput
 from neuron_async_sm.runtime import RuntimeFactory, create_runtime
-from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
+from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams, child_request_id
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class PromptRequest:
     sampling_params: SamplingParams = SamplingParams()
     request_id: str | None = None
     arrival_step: int = 0  # added just before the engine's arrival_step-th loop turn (0-based)
+    index: int = 0  # which of its prompt's n sequences (sampling_params.n) this child request is
 
 
 @dataclass
@@ -43,7 +44,9 @@ class LLM:
     `generate()` returns it with finish_reason "error" and a message naming the field.
 
     A prompt is token ids, or text (as in vLLM, `generate("some text")` is one prompt) encoded with the
-    model directory's tokenizer.json.
+    model directory's tokenizer.json. A request whose parameters ask for `n` > 1 sequences runs as n
+    child requests (ids `"{i}_{request_id}"`, child i seeded `seed + i`): its n outputs come one after
+    the other, each with its `index`.
     """
 
     def __init__(self, model: str = "tiny-llama", runtime_factory: RuntimeFactory = create_runtime, **config: object):
@@ -107,8 +110,7 @@ class LLM:
         raised); then `before_step(turn)` runs (e.g. to abort), then one engine turn (`step`, default
         `self.step`) if anything is unfinished. Yields each turn, steps or not.
         """
-        normalized = (self._as_request(r, None, i) for i, r in enumerate(requests))
-        pending = deque(sorted(normalized, key=lambda r: r.arrival_step))
+        pending = deque(sorted(self._normalize(requests, None), key=lambda r: r.arrival_step))
         index = 0
         while pending or self.has_unfinished_requests():
             if max_turns is not None and index >= max_turns:
@@ -135,15 +137,15 @@ class LLM:
         sampling_params: SamplingParams | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield per-step deltas (new tokens of one request; `finished` on its last) as steps finish."""
-        if isinstance(requests, str):
-            requests = [requests]
-        normalized = [self._as_request(r, sampling_params, i) for i, r in enumerate(requests)]
-        prompts = {r.request_id: r.prompt_token_ids for r in normalized}
+        normalized = self._normalize(requests, sampling_params)
+        by_id = {r.request_id: r for r in normalized}
         for turn in self.turns(normalized):
             for request, exc in turn.rejected:
-                yield RequestOutput(request.request_id, request.prompt_token_ids, [], True, "error", str(exc))
+                yield RequestOutput(
+                    request.request_id, request.prompt_token_ids, [], True, "error", str(exc), index=request.index
+                )
             for delta in turn.deltas:
-                yield _to_output(delta, prompts.get(delta.request_id, []))
+                yield _to_output(delta, by_id.get(delta.request_id))
 
     def generate(
         self,
@@ -158,9 +160,7 @@ class LLM:
         `on_finish(output)` is called the moment each request finishes (completion order), e.g. to
         make its result durable before the others end; a request rejected up front counts too.
         """
-        if isinstance(requests, str):
-            requests = [requests]  # one text prompt, not a list of characters
-        normalized = [self._as_request(r, sampling_params, i) for i, r in enumerate(requests)]
+        normalized = self._normalize(requests, sampling_params)
         results: dict[str, RequestOutput] = {}
         rejected: dict[int, RequestOutput] = {}
         for i, r in enumerate(normalized):
@@ -172,9 +172,10 @@ class LLM:
                     True,
                     "error",
                     f"request_id: duplicate request id {r.request_id!r}",
+                    index=r.index,
                 )
             else:
-                results[r.request_id] = RequestOutput(r.request_id, r.prompt_token_ids)
+                results[r.request_id] = RequestOutput(r.request_id, r.prompt_token_ids, index=r.index)
         progress = _progress(len(normalized)) if use_tqdm else None
         failed = 0
         for output in rejected.values():
@@ -202,6 +203,24 @@ class LLM:
             if progress is not None:
                 progress.close()
         return [rejected.get(i) or results[r.request_id] for i, r in enumerate(normalized)]
+
+    def _normalize(
+        self, requests: str | Sequence[PromptRequest | list[int] | str], params: SamplingParams | None
+    ) -> list[PromptRequest]:
+        """Every request as a PromptRequest with an id; one asking for n > 1 sequences as its n children."""
+        if isinstance(requests, str):
+            requests = [requests]  # one text prompt, not a list of characters
+        out = []
+        for i, r in enumerate(requests):
+            request = self._as_request(r, params, i)
+            children = request.sampling_params.children()
+            if len(children) == 1:
+                out.append(request)
+                continue
+            for index, child in enumerate(children):
+                child_id = child_request_id(request.request_id, index)  # type: ignore[arg-type]
+                out.append(PromptRequest(request.prompt_token_ids, child, child_id, request.arrival_step, index))
+        return out
 
     def _as_request(
         self, request: PromptRequest | list[int] | str, params: SamplingParams | None, index: int
@@ -242,14 +261,15 @@ class LLM:
         self.close()
 
 
-def _to_output(delta: RequestDelta, prompt: list[int]) -> RequestOutput:
+def _to_output(delta: RequestDelta, request: PromptRequest | None) -> RequestOutput:
     return RequestOutput(
         delta.request_id,
-        prompt,
+        request.prompt_token_ids if request is not None else [],
         list(delta.new_token_ids),
         delta.finish_reason is not None,
         delta.finish_reason,
         delta.error,
+        index=request.index if request is not None else 0,
     )
 
 

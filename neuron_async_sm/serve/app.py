@@ -191,9 +191,22 @@ class Server:
                 seed=body.seed,
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos,
+                n=body.n,
             )
         except InvalidRequestError as exc:
             raise invalid(exc) from exc
+
+    def _check_sequences(self, count: int) -> None:
+        """A request's sequences must fit what the server would ever hold at once (the KV slots and the
+        waiting queue), or it could never run: a 400, not a 503 to retry."""
+        limit = self.engine.llm.config.max_num_seqs + (self.engine.max_waiting or 0)
+        if self.engine.max_waiting is not None and count > limit:
+            raise ApiError(
+                400,
+                f"n: {count} sequences (n times the prompts) exceed the {limit} this server holds at once "
+                "(--max-num-seqs + --max-waiting)",
+                param="n",
+            )
 
     async def _start(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
         try:
@@ -216,15 +229,20 @@ class Server:
         make_format: Callable[[str, str, bool], Format],
         prefix: str,
     ) -> Response:
-        """Run one choice per prompt; answer streamed or collected.
+        """Run `n` choices per prompt; answer streamed or collected.
 
         Every prompt's parameters are checked before any starts; if the engine refuses one, those
         already started are aborted and the whole request gets the refusal.
         """
         params = [self.sampling_params(body, len(ids), max_tokens) for ids in prompts]
+        self._check_sequences(len(prompts) * body.n)
+        # n sequences of each prompt (vLLM's parallel sampling), prompt-major: choice index = prompt
+        # index * n + child, child i seeded seed + i.
+        prompts = [ids for ids in prompts for _ in range(body.n)]
+        params = [child for sampling in params for child in sampling.children()]
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         choices: list[Choice] = []
-        generation = Generation(self.engine, request_id, choices)
+        generation = Generation(self.engine, request_id, choices, sequences=body.n)
         try:
             for index, (ids, sampling) in enumerate(zip(prompts, params, strict=True)):
                 engine_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"

@@ -1,7 +1,7 @@
 """One API request in the engine, answered streamed (SSE) or collected; completions and chat alike.
 
-A request is one `Generation`: one engine request per choice (a completion's batch has one per
-prompt, chat has one). Its pieces are merged in arrival order; the endpoint's `Format` turns them
+A request is one `Generation`: one engine request per choice (`n` per prompt: a completion's batch
+has n per prompt, chat n). Its pieces are merged in arrival order; the endpoint's `Format` turns them
 into chunks or one response. Whatever ends the response (the last piece, the client leaving, a
 cancelled task), every choice still open is aborted in the engine.
 """
@@ -50,11 +50,14 @@ class Choice:
 class Generation:
     """The choices of one API request, and the engine they run in."""
 
-    def __init__(self, engine: AsyncLLM, request_id: str, choices: list[Choice]) -> None:
+    def __init__(self, engine: AsyncLLM, request_id: str, choices: list[Choice], sequences: int = 1) -> None:
         self.engine, self.request_id, self.choices = engine, request_id, choices
+        self.sequences = sequences  # choices per prompt (n), prompt-major
 
     def usage(self) -> p.Usage:
-        return p.usage(sum(c.prompt_len for c in self.choices), sum(len(c.token_ids) for c in self.choices))
+        """A prompt's tokens count once, however many sequences it has (as vLLM counts them)."""
+        prompt_tokens = sum(c.prompt_len for c in self.choices[:: self.sequences])
+        return p.usage(prompt_tokens, sum(len(c.token_ids) for c in self.choices))
 
     def abort(self) -> None:
         """A no-op for a choice that finished; one still running is aborted wherever it is."""

@@ -2,8 +2,8 @@
 response and streaming-chunk models, and the error body.
 
 Fields OpenAI defines but this engine does not implement are accepted only at their neutral value
-(`n=1`, `echo=false`, no logprobs, no penalties): anything else is a 400 naming the field, never a
-silently different result. Extras beyond OpenAI follow vLLM's names and meanings: `top_k` (-1 or 0:
+(`echo=false`, no logprobs, no penalties, `best_of` unset or `n`): anything else is a 400 naming the
+field, never a silently different result. Extras beyond OpenAI follow vLLM's names and meanings: `top_k` (-1 or 0:
 off), `stop_token_ids`, `ignore_eos`, `return_token_ids`, `stream_options.continuous_usage_stats`.
 Text must be valid Unicode: a lone surrogate ("\\ud800", which JSON can carry) is a 400 naming the field.
 """
@@ -52,7 +52,7 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
-    n: int = 1  # only 1 (see unsupported())
+    n: int = 1  # sequences of each prompt: n choices, child i seeded seed + i (SamplingParams.children)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -64,8 +64,6 @@ class _SamplingFields(_Strict):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to a value this engine cannot honour."""
-        if self.n != 1:
-            return "n", "only n=1 is supported"
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) != 0:
                 return name, f"{name} is not supported (only 0)"
@@ -122,8 +120,12 @@ class CompletionRequest(_SamplingFields):
             return "echo", "echo is not supported"
         if self.logprobs is not None:
             return "logprobs", "logprobs are not supported"
-        if self.best_of not in (None, 1):
-            return "best_of", "only best_of=1 is supported"
+        if self.best_of is not None and self.best_of < self.n:
+            return "best_of", f"must be >= n ({self.n}), got {self.best_of}"
+        if self.best_of is not None and self.best_of > self.n:
+            # vLLM's V1 engine has no best_of at all (it drops the field); returning the n best of
+            # best_of sequences would need their log-probabilities.
+            return "best_of", f"best_of > n is not supported (best_of={self.best_of}, n={self.n}); ask for n sequences"
         if self.suffix is not None:
             return "suffix", "suffix is not supported"
         return super().unsupported()
