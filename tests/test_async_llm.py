@@ -78,7 +78,7 @@ class Words:
     def __init__(self, words: list[str]) -> None:
         self.words = words
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return " ".join(self.words[i] for i in ids)
 
 
@@ -88,6 +88,13 @@ def test_a_stop_string_split_over_two_steps_is_never_partly_sent():
     assert "".join(sent) == "ab " and not text.stopped
     assert text.push([2]) == "c" and text.stopped  # "ab cd ef" contains "d e": cut before it
     assert text.push([3]) == ""
+
+
+def test_include_stop_keeps_the_longest_stop_string_that_matched_first():
+    text = IncrementalText(Words(["ab", "cd", "ef"]), ("cd", "cd e", "b"), include_stop=True)  # type: ignore[arg-type]
+    assert text.push([0]) == "ab" and text.stopped  # "b" matched first
+    text = IncrementalText(Words(["xy", "cd", "ef"]), ("cd", "cd e"), include_stop=True)  # type: ignore[arg-type]
+    assert text.push([0]) + text.push([1, 2]) == "xy cd e" and text.stopped  # both matched in one step
 
 
 def test_without_stop_strings_text_streams_at_once_and_the_rest_comes_on_the_final_piece():

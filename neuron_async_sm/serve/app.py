@@ -240,14 +240,15 @@ class Server:
         # index * n + child, child i seeded seed + i.
         prompts = [ids for ids in prompts for _ in range(body.n)]
         params = [child for sampling in params for child in sampling.children()]
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        request_id = f"{prefix}-{body.request_id if body.request_id is not None else uuid.uuid4().hex}"
         choices: list[Choice] = []
         generation = Generation(self.engine, request_id, choices, sequences=body.n)
         try:
             for index, (ids, sampling) in enumerate(zip(prompts, params, strict=True)):
                 engine_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
                 stream = await self._start(ids, sampling, engine_id)
-                choices.append(Choice(index, len(ids), stream, IncrementalText(self.tokenizer, body.stop_strings)))
+                text = IncrementalText(self.tokenizer, body.stop_strings, **body.text_options)
+                choices.append(Choice(index, len(ids), stream, text))
         except BaseException:
             generation.abort()  # the prompts that started before one was refused
             raise
@@ -339,7 +340,10 @@ async def completions(request: Request, body: CompletionBody) -> Response:
     server = _server(request)
     server.check(body)
     prompts = [
-        await server.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt) for prompt in body.prompts
+        await server.encode(prompt, "prompt", add_special_tokens=body.add_special_tokens)
+        if isinstance(prompt, str)
+        else list(prompt)
+        for prompt in body.prompts
     ]
     return await server.generate(request, body, prompts, body.max_tokens, CompletionFormat, "cmpl")
 
@@ -348,7 +352,9 @@ async def completions(request: Request, body: CompletionBody) -> Response:
 async def chat(request: Request, body: ChatCompletionBody) -> Response:
     server = _server(request)
     server.check(body)
-    prompt = await server.encode_chat(body.messages, add_generation_prompt=body.add_generation_prompt)
+    prompt = await server.encode_chat(
+        body.messages, add_generation_prompt=body.add_generation_prompt, add_special_tokens=body.add_special_tokens
+    )
     return await server.generate(request, body, [prompt], body.token_limit, ChatFormat, "chatcmpl")
 
 
@@ -423,7 +429,8 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     if error.get("type") == "json_invalid":
         message, param = f"malformed JSON: {error.get('ctx', {}).get('error', error.get('msg'))}", None
     elif error.get("type") == "extra_forbidden":
-        message = f"{'.'.join(loc)}: unknown field"
+        what = "not supported by this server" if len(loc) == 1 and loc[0] in p.NOT_SUPPORTED else "unknown field"
+        message = f"{'.'.join(loc)}: {what}"
     else:
         message = f"{param}: {error.get('msg')}{where}" if param else str(error.get("msg"))
     return _refused(request, ApiError(400, message, param=param))

@@ -10,6 +10,7 @@ Text must be valid Unicode: a lone surrogate ("\\ud800", which JSON can carry) i
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Literal
 
@@ -61,9 +62,20 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False  # each choice carries `token_ids` (always, for a model without a tokenizer)
+    skip_special_tokens: bool = True  # decoding the output drops special tokens (vLLM's default)
+    include_stop_str_in_output: bool = False  # the matched stop string ends the text, rather than being cut
+    request_id: Text | None = None  # the response's id is `<prefix>-<request_id>` (vLLM's); else a random one
+    # vLLM's, accepted at their neutral value only (see unsupported())
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    priority: int = 0
+    spaces_between_special_tokens: bool = True
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to a value this engine cannot honour."""
+        for name, neutral in _NEUTRAL_ONLY.items():
+            if getattr(self, name) != neutral:
+                return name, f"{name} is not supported (only {json.dumps(neutral)})"
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) != 0:
                 return name, f"{name} is not supported (only 0)"
@@ -87,6 +99,11 @@ class _SamplingFields(_Strict):
         return self.stream_options is not None and self.stream_options.usage_in_every_chunk
 
     @property
+    def text_options(self) -> dict[str, bool]:
+        """How the output is decoded (IncrementalText's options)."""
+        return {"skip_special_tokens": self.skip_special_tokens, "include_stop": self.include_stop_str_in_output}
+
+    @property
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -94,6 +111,36 @@ class _SamplingFields(_Strict):
 
 
 Prompt = Text | list[int]  # one prompt: text, or token ids
+
+
+# vLLM's extension fields this server accepts at the neutral value only: beam search, priority
+# scheduling, and the decoder's spacing option (tokenizers' decode always joins as the tokenizer says).
+_NEUTRAL_ONLY: dict[str, object] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "priority": 0,
+    "spaces_between_special_tokens": True,
+}
+
+# Fields of OpenAI's and vLLM 0.33's request schemas that this server does not implement and does not
+# declare: refused with a 400 naming the field as "not supported" (any other undeclared field is an
+# "unknown field"). The parameter table of the README says the same.
+NOT_SUPPORTED = frozenset(
+    {
+        # OpenAI chat
+        "audio", "function_call", "functions", "metadata", "modalities", "moderation", "parallel_tool_calls",
+        "prediction", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "reasoning_effort",
+        "safety_identifier", "service_tier", "store", "tool_choice", "tools", "verbosity", "web_search_options",
+        # vLLM's extensions
+        "allowed_token_ids", "bad_words", "cache_salt", "chat_template", "chat_template_kwargs",
+        "continue_final_message", "documents", "ec_transfer_params", "echo", "include_reasoning", "kv_transfer_params",
+        "logprob_token_ids", "media_io_kwargs", "mm_payload", "mm_processor_kwargs", "prompt_embeds",
+        "repetition_detection", "return_mm_kwargs", "return_prompt_text", "return_token_offsets",
+        "return_tokens_as_token_ids", "return_weight_versions", "routed_experts_prompt_start", "session_id",
+        "stream_interval", "thinking_token_budget", "truncate_prompt_tokens", "truncation_side", "vllm_xargs",
+        "watermarking",
+    }
+)  # fmt: skip
 
 
 class CompletionRequest(_SamplingFields):
@@ -105,6 +152,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: Text | None = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's special tokens (BOS)
 
     @property
     def prompts(self) -> list[Prompt]:
@@ -151,6 +199,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     add_generation_prompt: bool = True  # vLLM extra: the template's cue for the assistant's turn
+    add_special_tokens: bool = False  # vLLM extra: the template writes them; True adds the tokenizer's too
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.logprobs:

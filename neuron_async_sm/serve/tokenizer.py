@@ -145,9 +145,18 @@ class IncrementalText:
     split over two steps is never partly sent; an unfinished character (U+FFFD) is held back too.
     """
 
-    def __init__(self, tokenizer: ServedTokenizer | None, stop: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        tokenizer: ServedTokenizer | None,
+        stop: tuple[str, ...],
+        *,
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.skip_special_tokens = skip_special_tokens
+        self.include_stop = include_stop  # the text ends with the stop string that matched (vLLM's option)
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""  # decoded so far (cut at a stop string once one matched)
@@ -161,11 +170,11 @@ class IncrementalText:
         self.token_ids.extend(new_token_ids)
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(self.token_ids)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
         cut = self._first_stop(text)
         if cut is not None:
             self.stopped, final = True, True
-            text = text[:cut]
+            text = text[: cut[1] if self.include_stop else cut[0]]
         self.text = text
         end = len(text)
         if not final:
@@ -177,8 +186,9 @@ class IncrementalText:
         piece, self.sent = text[self.sent : end], end
         return piece
 
-    def _first_stop(self, text: str) -> int | None:
+    def _first_stop(self, text: str) -> tuple[int, int] | None:
+        """(start, end) of the first stop string in `text`; the longest of those starting there."""
         # Only where a match can be new: one that ended inside the sent text would have stopped us.
         start = max(0, self.sent - self._holdback)
-        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, i + len(s)) for s in self.stop if (i := text.find(s, start)) >= 0]
+        return min(hits, key=lambda hit: (hit[0], -hit[1])) if hits else None

@@ -1,0 +1,340 @@
+"""Every parameter of OpenAI's completions and chat schemas (the `openai` SDK's own lists) and of vLLM
+0.33's extensions to them is honoured or refused with a 400 naming it; none is silently ignored.
+
+PARAMETERS below is the one place that says which: a parameter implemented later moves from REFUSED
+to HONOURED with the check that shows it taking effect, and the README's parameter table must say the
+same (checked here too). Each honoured parameter is sent at a non-neutral value and its effect checked
+against a greedy baseline; each refused one is sent and must get a 400 whose `param` is its name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from support.serve_harness import ServerProcess, write_text_model
+
+Call = Callable[..., dict]  # call(**fields): the 200 answer to the base request plus `fields`
+
+HONOURED, ACCEPTED, REFUSED = "honoured", "accepted", "refused"
+LONG = 48  # output tokens of the checks that need the model's eos to come up
+EOS = 54  # the checkpoint's eos token (the word `w54`)
+BOTH = ("completions", "chat")
+
+
+@dataclass(frozen=True)
+class Param:
+    status: str  # HONOURED, ACCEPTED (valid, no effect on the output: OpenAI's `user`) or REFUSED
+    value: object = None  # REFUSED: a non-neutral value that must be refused by name
+    check: Callable[[Call, dict], None] | None = None  # HONOURED: (call, greedy answer) -> asserts its effect
+    endpoints: tuple[str, ...] = BOTH
+    chat_value: object = None  # REFUSED on chat, when its value differs
+
+
+def tokens(answer: dict) -> list[list[int]]:
+    return [c["token_ids"] for c in answer["choices"]]
+
+
+def text(answer: dict, i: int = 0) -> str:
+    choice = answer["choices"][i]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+def _sampled_differs(call: Call, greedy: dict) -> None:
+    assert tokens(call(temperature=2.0, seed=3)) != tokens(greedy)
+
+
+def _seed(call: Call, greedy: dict) -> None:
+    assert tokens(call(temperature=2.0, seed=3)) == tokens(call(temperature=2.0, seed=3))
+    assert tokens(call(temperature=2.0, seed=3)) != tokens(call(temperature=2.0, seed=4))
+
+
+def _stop(call: Call, greedy: dict) -> None:
+    second = text(greedy).split()[1]
+    answer = call(stop=[second])
+    assert answer["choices"][0]["finish_reason"] == "stop" and text(answer) == text(greedy).split()[0] + " "
+
+
+def _include_stop(call: Call, greedy: dict) -> None:
+    second = text(greedy).split()[1]
+    answer = call(stop=[second], include_stop_str_in_output=True)
+    assert text(answer) == " ".join(text(greedy).split()[:2])
+
+
+def _stop_token_ids(call: Call, greedy: dict) -> None:
+    answer = call(stop_token_ids=[tokens(greedy)[0][1]])
+    assert tokens(answer) == [tokens(greedy)[0][:2]] and answer["choices"][0]["finish_reason"] == "stop"
+
+
+def _ignore_eos(call: Call, greedy: dict) -> None:
+    assert call(max_tokens=LONG)["choices"][0]["finish_reason"] == "stop"  # the model does emit its eos
+    assert call(max_tokens=LONG, ignore_eos=True)["usage"]["completion_tokens"] == LONG
+
+
+def _skip_special_tokens(call: Call, greedy: dict) -> None:
+    kept, skipped = (call(max_tokens=LONG, ignore_eos=True, skip_special_tokens=skip) for skip in (False, True))
+    assert EOS in tokens(kept)[0] and tokens(kept) == tokens(skipped)
+    assert f"w{EOS}" in text(kept).split() and f"w{EOS}" not in text(skipped).split()
+
+
+def _stream(call: Call, greedy: dict) -> None:
+    lines = call(stream=True)["sse"]
+    pieces = [json.loads(line)["choices"] for line in lines[:-1]]
+    assert lines[-1] == "[DONE]" and [t for ch in pieces for c in ch for t in c["token_ids"]] == tokens(greedy)[0]
+
+
+def _stream_options(call: Call, greedy: dict) -> None:
+    lines = call(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})["sse"]
+    chunks = [json.loads(line) for line in lines[:-1]]
+    with_tokens = [c for c in chunks if c["choices"] and c["choices"][0]["token_ids"]]
+    assert with_tokens and all(c["usage"] is not None for c in with_tokens)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == greedy["usage"]
+
+
+def _return_token_ids(call: Call, greedy: dict) -> None:
+    assert call(return_token_ids=False)["choices"][0]["token_ids"] is None
+
+
+def _add_special_tokens(call: Call, greedy: dict, *, chat: bool = False) -> None:
+    flipped = call(add_special_tokens=chat)  # completions: off (its default is on); chat: on
+    assert flipped["usage"]["prompt_tokens"] == greedy["usage"]["prompt_tokens"] + (1 if chat else -1)
+
+
+PARAMETERS: dict[str, Param] = {
+    # exercised by every request
+    "model": Param(HONOURED, check=lambda call, greedy: None),
+    "prompt": Param(HONOURED, check=lambda call, greedy: None, endpoints=("completions",)),
+    "messages": Param(HONOURED, check=lambda call, greedy: None, endpoints=("chat",)),
+    # OpenAI's
+    "max_tokens": Param(
+        HONOURED, check=lambda call, greedy: call(max_tokens=2)["usage"]["completion_tokens"] == 2 or _fail()
+    ),
+    "max_completion_tokens": Param(
+        HONOURED,
+        check=lambda call, greedy: call(max_completion_tokens=2)["usage"]["completion_tokens"] == 2 or _fail(),
+        endpoints=("chat",),
+    ),
+    "temperature": Param(HONOURED, check=_sampled_differs),
+    "top_p": Param(HONOURED, check=lambda c, g: tokens(c(temperature=2.0, seed=3, top_p=1e-9)) == tokens(g) or _fail()),
+    "seed": Param(HONOURED, check=_seed),
+    "stop": Param(HONOURED, check=_stop),
+    "n": Param(HONOURED, check=lambda call, greedy: tokens(call(n=2)) == tokens(greedy) * 2 or _fail()),
+    "best_of": Param(
+        HONOURED,
+        check=lambda call, greedy: len(call(n=2, best_of=2)["choices"]) == 2 or _fail(),
+        endpoints=("completions",),
+    ),  # at n; other values refused (tests/test_serve_parallel_sampling.py)
+    "stream": Param(HONOURED, check=_stream),
+    "stream_options": Param(HONOURED, check=_stream_options),
+    "user": Param(ACCEPTED),  # as vLLM: an end-user id for the operator's own records
+    "echo": Param(REFUSED, True),  # the logprobs helper's
+    "logprobs": Param(REFUSED, 1, chat_value=True),
+    "top_logprobs": Param(REFUSED, 2, endpoints=("chat",)),
+    "frequency_penalty": Param(REFUSED, 0.5),
+    "presence_penalty": Param(REFUSED, 0.5),
+    "logit_bias": Param(REFUSED, {"5": 1.0}),
+    "suffix": Param(REFUSED, "w6", endpoints=("completions",)),
+    "response_format": Param(REFUSED, {"type": "json_object"}, endpoints=("chat",)),
+    **{
+        name: Param(REFUSED, 1, endpoints=("chat",))
+        for name in (
+            "audio",
+            "function_call",
+            "functions",
+            "metadata",
+            "modalities",
+            "moderation",
+            "parallel_tool_calls",
+            "prediction",
+            "prompt_cache_key",
+            "prompt_cache_options",
+            "prompt_cache_retention",
+            "reasoning_effort",
+            "safety_identifier",
+            "service_tier",
+            "store",
+            "tool_choice",
+            "tools",
+            "verbosity",
+            "web_search_options",
+        )
+    },
+    # vLLM's extensions
+    "top_k": Param(HONOURED, check=lambda c, g: tokens(c(temperature=2.0, seed=3, top_k=1)) == tokens(g) or _fail()),
+    "stop_token_ids": Param(HONOURED, check=_stop_token_ids),
+    "ignore_eos": Param(HONOURED, check=_ignore_eos),
+    "return_token_ids": Param(HONOURED, check=_return_token_ids),
+    "include_stop_str_in_output": Param(HONOURED, check=_include_stop),
+    "skip_special_tokens": Param(HONOURED, check=_skip_special_tokens),
+    "request_id": Param(HONOURED, check=lambda call, greedy: call(request_id="r-7")["id"].endswith("-r-7") or _fail()),
+    "add_special_tokens": Param(HONOURED, check=_add_special_tokens),
+    "add_generation_prompt": Param(
+        HONOURED,
+        check=lambda c, g: (
+            c(add_generation_prompt=False)["usage"]["prompt_tokens"] == g["usage"]["prompt_tokens"] - 1 or _fail()
+        ),
+        endpoints=("chat",),
+    ),
+    "use_beam_search": Param(REFUSED, True),
+    "length_penalty": Param(REFUSED, 0.5),
+    "priority": Param(REFUSED, 1),
+    "spaces_between_special_tokens": Param(REFUSED, False),
+    "min_p": Param(REFUSED, 0.1),  # the penalties helper's
+    "min_tokens": Param(REFUSED, 2),
+    "repetition_penalty": Param(REFUSED, 1.2),
+    "prompt_logprobs": Param(REFUSED, 1),  # the logprobs helper's
+    "structured_outputs": Param(REFUSED, {"regex": "w5"}),  # the grammar helper's
+    "prompt_embeds": Param(REFUSED, "AAAA", endpoints=("completions",)),
+    **{
+        name: Param(REFUSED, 1)
+        for name in (
+            "allowed_token_ids",
+            "bad_words",
+            "cache_salt",
+            "ec_transfer_params",
+            "kv_transfer_params",
+            "logprob_token_ids",
+            "mm_payload",
+            "repetition_detection",
+            "return_mm_kwargs",
+            "return_token_offsets",
+            "return_tokens_as_token_ids",
+            "return_weight_versions",
+            "routed_experts_prompt_start",
+            "session_id",
+            "stream_interval",
+            "thinking_token_budget",
+            "truncate_prompt_tokens",
+            "truncation_side",
+            "vllm_xargs",
+            "watermarking",
+        )
+    },
+    **{
+        name: Param(REFUSED, 1, endpoints=("chat",))
+        for name in (
+            "chat_template",
+            "chat_template_kwargs",
+            "continue_final_message",
+            "documents",
+            "include_reasoning",
+            "media_io_kwargs",
+            "mm_processor_kwargs",
+            "return_prompt_text",
+        )
+    },
+}
+# vLLM 0.33's fields beyond OpenAI's (vllm/entrypoints/openai/{completion,chat_completion}/protocol.py,
+# CompletionRequest and ChatCompletionRequest); `echo` on chat is vLLM's own (prepend the last message).
+VLLM_COMPLETION_EXTRAS = {
+    "add_special_tokens", "allowed_token_ids", "bad_words", "cache_salt", "ec_transfer_params", "ignore_eos",
+    "include_stop_str_in_output", "kv_transfer_params", "length_penalty", "logprob_token_ids", "min_p", "min_tokens",
+    "mm_payload", "priority", "prompt_embeds", "prompt_logprobs", "repetition_detection", "repetition_penalty",
+    "request_id", "response_format", "return_mm_kwargs", "return_token_ids", "return_token_offsets",
+    "return_tokens_as_token_ids", "return_weight_versions", "routed_experts_prompt_start", "session_id",
+    "skip_special_tokens", "spaces_between_special_tokens", "stop_token_ids", "stream", "stream_interval",
+    "structured_outputs", "thinking_token_budget", "top_k", "truncate_prompt_tokens", "truncation_side",
+    "use_beam_search", "vllm_xargs", "watermarking",
+}  # fmt: skip
+VLLM_CHAT_EXTRAS = (VLLM_COMPLETION_EXTRAS - {"response_format", "prompt_embeds"}) | {
+    "add_generation_prompt", "chat_template", "chat_template_kwargs", "continue_final_message", "documents", "echo",
+    "include_reasoning", "media_io_kwargs", "mm_processor_kwargs", "return_prompt_text",
+}  # fmt: skip
+# Completions' `response_format` is vLLM's only: on chat it is OpenAI's. Refused on both.
+PARAMETERS["response_format"] = Param(REFUSED, {"type": "json_object"})
+
+
+def _fail() -> None:
+    raise AssertionError("the parameter had no effect")
+
+
+def schema(endpoint: str) -> set[str]:
+    if endpoint == "completions":
+        from openai.types.completion_create_params import CompletionCreateParamsBase as Params
+
+        return set(Params.__annotations__) | VLLM_COMPLETION_EXTRAS
+    from openai.types.chat.completion_create_params import CompletionCreateParamsBase as Params
+
+    return set(Params.__annotations__) | VLLM_CHAT_EXTRAS
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # The eos is a word both base requests' greedy runs reach after their first 4 tokens and before
+    # LONG; it is a special token, as eos tokens are. As most tokenizers do, a text gets <s> first.
+    model = write_text_model(tmp_path_factory.mktemp("model"), eos_token_id=EOS)
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>", f"w{EOS}"])
+    tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer.save(str(model / "tokenizer.json"))
+    flags = ["--device", "cpu-inprocess", "--dtype", "float64", "--max-model-len", "96", "--max-num-seqs", "4"]
+    proc = ServerProcess(tmp_path_factory.mktemp("server"), str(model), *flags)
+    yield proc
+    assert proc.terminate() == 0, proc.log()
+
+
+def base(server: ServerProcess, endpoint: str) -> tuple[str, dict]:
+    common = {"model": server.model, "max_tokens": 4, "temperature": 0.0, "return_token_ids": True}
+    if endpoint == "completions":
+        return "/v1/completions", {**common, "prompt": "w12 w13 w14 w15"}
+    return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": "w5 w6"}]}
+
+
+def test_the_table_covers_both_schemas_exactly():
+    for endpoint in BOTH:
+        listed = {name for name, p in PARAMETERS.items() if endpoint in p.endpoints}
+        assert listed == schema(endpoint), (endpoint, listed ^ schema(endpoint))
+
+
+@pytest.mark.parametrize("endpoint", BOTH)
+def test_every_parameter_is_honoured_or_refused_by_name(server, endpoint):
+    path, request = base(server, endpoint)
+
+    def call(**fields) -> dict:
+        body = {**request, **fields}
+        if body.get("stream"):
+            return {"sse": server.sse(path, body)}
+        status, answer = server.post(path, body)
+        assert status == 200, (fields, answer)
+        return answer
+
+    greedy = call()
+    assert greedy["usage"]["completion_tokens"] == 4 and len(set(text(greedy).split())) == 4, greedy
+    failures = []
+    for name, param in PARAMETERS.items():
+        if endpoint not in param.endpoints:
+            continue
+        try:
+            if param.status == REFUSED:
+                value = param.chat_value if endpoint == "chat" and param.chat_value is not None else param.value
+                status, answer = server.post(path, {**request, name: value})
+                assert status == 400 and answer["error"]["param"] == name, answer
+            elif param.status == ACCEPTED:
+                assert tokens(call(**{name: "someone"})) == tokens(greedy)
+            elif name == "add_special_tokens":
+                _add_special_tokens(call, greedy, chat=endpoint == "chat")
+            else:
+                param.check(call, greedy)  # type: ignore[misc]
+        except AssertionError as exc:
+            failures.append(f"{name}: {exc}")
+    assert not failures, "\n".join(failures)
+
+
+def test_the_readme_table_says_the_same():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("What the request bodies take:", 1)[1].split("\n\n", 2)[1]
+    rows = [line.split("|")[1:3] for line in table.splitlines()[2:]]
+    status_of = {}
+    for names, status in rows:
+        for name in re.findall(r"`([a-z_]+)`", names):
+            status_of.setdefault(name, status.strip().split(":")[0].split(" ")[0])
+    wrong = {name: (p.status, status_of.get(name)) for name, p in PARAMETERS.items() if status_of.get(name) != p.status}
+    assert not wrong, wrong
+    assert "ignored" not in table
