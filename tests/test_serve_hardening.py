@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from support.serve_harness import ServerProcess, write_text_model
 
-STREAMS = 4
+STREAMS = 32  # the done-when: 32 live streams while the bad request is refused
 BIG = 50 * 1024 * 1024
 # /health's worst answer while a bad request is handled. The target is 100 ms (what `pytest -s` prints
 # is typically a few ms for the 413 and under 100 ms for the 10 MB prompt); the bound leaves room for a
@@ -26,7 +26,8 @@ HEALTH_BOUND_S = 0.5
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = write_text_model(tmp_path_factory.mktemp("model"))
-    flags = ["--device", "cpu", "--device-time-ms", "40", "--max-model-len", "128", "--max-num-seqs", "8"]
+    flags = ["--device", "cpu", "--device-time-ms", "40", "--max-model-len", "128"]
+    flags += ["--max-num-seqs", str(STREAMS), "--decode-buckets", f"1,8,{STREAMS}"]  # every stream decoding
     proc = ServerProcess(tmp_path_factory.mktemp("server"), str(model), *flags, "--log-level", "info")
     yield proc
     assert proc.terminate() == 0, proc.log()
@@ -150,7 +151,8 @@ def test_text_far_too_long_for_the_context_is_refused_untokenized_while_streams_
 
 def test_the_start_up_line_and_each_refusal_with_its_reason_are_logged(server):
     log = server.log()
-    assert "max_model_len=128" in log and "KV capacity 8 sequences" in log and "async scheduling on" in log, log
+    assert "max_model_len=128" in log and "async scheduling on" in log, log
+    assert f"KV capacity {STREAMS} sequences" in log, log
     assert "device cpu" in log and "tensor parallel 1" in log, log
     status, _ = server.post("/v1/completions", {"model": server.model, "prompt": "w5", "max_tokens": 0})
     assert status == 400

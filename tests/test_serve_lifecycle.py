@@ -135,9 +135,14 @@ def test_serve_takes_no_flag_it_would_ignore_and_states_its_own_exit_codes(capsy
 def test_a_dead_device_ends_every_open_stream_with_an_error_and_the_server_exits_1(tmp_path):
     # As vLLM's API server does: a server whose engine died exits, so that its supervisor restarts it
     # (it used to answer 503 forever).
-    server = ServerProcess(tmp_path, "tiny-llama", *flags("--device", "cpu", "--device-timeout-s", "5"))
+    # 32 streams (the done-when), every one holding a KV slot.
+    server = ServerProcess(
+        tmp_path,
+        "tiny-llama",
+        *flags("--device", "cpu", "--device-timeout-s", "5", "--max-num-seqs", "32", "--decode-buckets", "1,8,32"),
+    )
     try:
-        streams = [OpenStream(server, [5 + i, 6], **LONG) for i in range(3)]
+        streams = [OpenStream(server, [5 + i, 6], **LONG) for i in range(32)]
         assert all(s.first.wait(30) for s in streams)
         os.kill(device_pid(server.proc.pid), signal.SIGKILL)
         killed = time.monotonic()
@@ -145,6 +150,7 @@ def test_a_dead_device_ends_every_open_stream_with_an_error_and_the_server_exits
             stream.finish(timeout_s=30)
             assert isinstance(stream.error, openai.APIError) and "engine failed" in str(stream.error), stream.error
         code = server.proc.wait(timeout=30)
+        print(f"\nexit {code} {time.monotonic() - killed:.2f} s after the device was killed")
         assert code == 1 and time.monotonic() - killed < 10, (code, server.log())
         assert "The engine died" in server.log() and "error: the engine died: " in server.log(), server.log()
     finally:
