@@ -338,3 +338,33 @@ def test_the_readme_table_says_the_same():
     wrong = {name: (p.status, status_of.get(name)) for name, p in PARAMETERS.items() if status_of.get(name) != p.status}
     assert not wrong, wrong
     assert "ignored" not in table
+
+
+def test_the_openai_client_sends_every_honoured_parameter_at_once(server):
+    """The official client, every honoured parameter in one call (vLLM's through `extra_body`)."""
+    client = server.client()
+    sampled = dict(temperature=0.5, top_p=0.9, seed=3, stop=["w60"], n=2, user="someone")
+    vllm = dict(top_k=5, stop_token_ids=[59], ignore_eos=True, return_token_ids=True, skip_special_tokens=False)
+    vllm.update(include_stop_str_in_output=True)
+    out = client.completions.create(
+        model=server.model,
+        prompt="w12 w13",
+        max_tokens=4,
+        best_of=2,
+        extra_body={**vllm, "add_special_tokens": False, "request_id": "all-1"},
+        **sampled,
+    )
+    assert out.id.endswith("-all-1") and [c.index for c in out.choices] == [0, 1], out
+    assert all(c.token_ids for c in out.choices) and out.usage.prompt_tokens == 2
+    chunks = client.chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "w12 w13"}],
+        max_completion_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={**vllm, "add_generation_prompt": False, "add_special_tokens": True, "request_id": "all-2"},
+        **sampled,
+    )
+    chunks = list(chunks)
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    assert chunks[-1].usage is not None and chunks[-1].id.endswith("-all-2")
