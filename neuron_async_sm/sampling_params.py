@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from neuron_async_sm.errors import NeuronAsyncSMError
 from neuron_async_sm.values import is_int, is_number
+
+MAX_LOGIT_BIAS = 256
+"""Most logit_bias entries a request may carry. Each step sends a request's entries to the device
+in a fixed-width row (`[rows, width]`), so the cap bounds that input; vLLM sets none and OpenAI
+documents none, and the maps clients send (a label set, a few banned words) are far smaller."""
 
 
 class InvalidRequestError(NeuronAsyncSMError, ValueError):
@@ -29,6 +36,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1  # sequences of one prompt (vLLM's parallel sampling); the engine itself runs n=1 only
+    # Logits processing (vLLM's meanings; model/logits_processors.py applies them on the device):
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output; 0 means off
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output; 0 means off
+    repetition_penalty: float = 1.0  # divides (or multiplies, if negative) a prompt or output token's logit; 1 off
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0 means off
+    min_tokens: int = 0  # no stop token (EOS, stop_token_ids) before this many outputs
+    # token id -> bias added to its logit; kept as (token, bias) pairs in token order (hashable)
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
@@ -40,8 +55,10 @@ class SamplingParams:
             raise InvalidRequestError(f"temperature: must be a number, got {self.temperature!r}")
         if not self.temperature >= 0:  # also rejects NaN
             raise InvalidRequestError(f"temperature: must be >= 0, got {self.temperature!r}")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k: must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise InvalidRequestError(f"top_k: must be an integer >= 1, or 0 or -1 (off), got {self.top_k!r}")
+        if self.top_k == -1:  # vLLM's "off"
+            object.__setattr__(self, "top_k", 0)
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
@@ -54,6 +71,45 @@ class SamplingParams:
             raise InvalidRequestError(f"n: must be an integer >= 1, got {self.n!r}")
         if self.seed is not None and self.seed + self.n > 2**63:
             raise InvalidRequestError(f"seed: the children's seeds seed..seed+n-1 must be < 2**63, got {self.seed!r}")
+        self._check_logits_processing()
+
+    def _check_logits_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_number(value) or not -2 <= value <= 2:
+                raise InvalidRequestError(f"{name}: must be a number in [-2, 2], got {value!r}")
+        rep = self.repetition_penalty
+        if not is_number(rep) or not math.isfinite(rep) or rep <= 0:
+            raise InvalidRequestError(f"repetition_penalty: must be a finite number > 0 (1 = off), got {rep!r}")
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p: must be in [0, 1], got {self.min_p!r}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens: must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
+        bias = self.logit_bias
+        if isinstance(bias, tuple) and all(isinstance(pair, tuple) and len(pair) == 2 for pair in bias):
+            bias = dict(bias)
+        if not isinstance(bias, Mapping):
+            raise InvalidRequestError(f"logit_bias: must be a map of token id to bias, got {bias!r}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        for token, value in bias.items():
+            if not is_int(token) or token < 0:
+                raise InvalidRequestError(f"logit_bias: token ids must be non-negative integers, got {token!r}")
+            if not is_number(value) or not -100 <= value <= 100:
+                raise InvalidRequestError(f"logit_bias: bias of token {token} must be in [-100, 100], got {value!r}")
+        object.__setattr__(self, "logit_bias", tuple(sorted((token, float(value)) for token, value in bias.items())))
+
+    @property
+    def penalized(self) -> bool:
+        """Any of the penalties on: sampling then depends on the request's tokens so far."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Anything between the logits and the sampler on (`model/logits_processors.py`)."""
+        return self.penalized or self.min_p > 0 or self.min_tokens > 0 or bool(self.logit_bias)
 
     def children(self) -> list[SamplingParams]:
         """The child requests of n sequences, each of n=1 (vLLM's parallel sampling): child i is seeded

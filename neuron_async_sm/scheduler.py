@@ -74,6 +74,11 @@ class Scheduler:
                 f"max_model_len={self.config.max_model_len}"
             )
         params = request.sampling_params
+        outside = [token for token, _ in params.logit_bias if token >= self.vocab_size]
+        if outside:
+            raise InvalidRequestError(
+                f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
         eos = () if params.ignore_eos else self.eos_token_ids
         request.stop_token_set = frozenset(params.stop_token_ids).union(eos)
         request.max_outputs = min(params.max_tokens, self.config.max_model_len - len(prompt))

@@ -42,12 +42,12 @@ def async_llm(engines):
     return engines[1]
 
 
-def test_random_workloads_give_identical_tokens(engines):
+def _drive_pairs(engines, rng: random.Random, runs: int, tag: str, processing: bool = False) -> Counter:
+    """`runs` random workloads through sync and async; async's tokens must be sync's (aborted: a prefix)."""
     sync_llm, async_llm = engines
-    rng = random.Random(1234)
     finishes = Counter()
-    for n in range(40):
-        items = random_workload(rng, f"w{n}")
+    for n in range(runs):
+        items = random_workload(rng, f"{tag}{n}", processing=processing)
         reference = drive(sync_llm, items, aborts=False)
         got = drive(async_llm, items, aborts=True)
         for item in items:
@@ -59,6 +59,12 @@ def test_random_workloads_give_identical_tokens(engines):
                 assert got.tokens[rid] == reference.tokens[rid], rid
                 assert got.finish[rid] == reference.finish[rid], rid
             finishes[got.finish[rid]] += 1
+    return finishes
+
+
+def test_random_workloads_give_identical_tokens(engines):
+    async_llm = engines[1]
+    finishes = _drive_pairs(engines, random.Random(1234), 40, "w")
     assert finishes["stop"] and finishes["length"] and finishes["abort"]  # the workloads cover them all
     counters = async_llm.stats()
     assert counters["async_steps"] + counters["sync_fallback_steps"] == counters["steps"]
@@ -67,6 +73,13 @@ def test_random_workloads_give_identical_tokens(engines):
     reached = {s for s, n in counters["state_counts"].items() if n > 0}
     relay = async_llm.config.async_relay
     assert reached == set(sm.PATH_STATES) - (fallbacks if relay else {sm.RELAY}), counters["state_counts"]
+
+
+def test_random_workloads_with_penalties_and_logit_bias_give_identical_tokens(engines):
+    """Seeded sampling with penalties, logit_bias, min_tokens and min_p: the penalties count the token
+    still in flight (the device's token history), so async equals sync; aborts included."""
+    finishes = _drive_pairs(engines, random.Random(4321), 25, "p", processing=True)
+    assert finishes["stop"] and finishes["length"] and finishes["abort"]
 
 
 def test_every_output_is_materialized_exactly_once(async_llm):

@@ -44,7 +44,22 @@ BAD_PARAMS = [
     ("top_p", dict(top_p=0)),
     ("top_p", dict(top_p=1.5)),
     ("top_p", dict(top_p=float("nan"))),
-    ("top_k", dict(top_k=-1)),
+    ("top_k", dict(top_k=-2)),  # -1 is off (vLLM's)
+    ("top_k", dict(top_k=2.5)),
+    ("presence_penalty", dict(presence_penalty=2.5)),
+    ("presence_penalty", dict(presence_penalty="high")),
+    ("frequency_penalty", dict(frequency_penalty=-2.01)),
+    ("repetition_penalty", dict(repetition_penalty=0)),
+    ("repetition_penalty", dict(repetition_penalty=float("inf"))),
+    ("min_p", dict(min_p=-0.1)),
+    ("min_p", dict(min_p=1.5)),
+    ("min_tokens", dict(min_tokens=-1)),
+    ("min_tokens", dict(min_tokens=17)),  # above max_tokens (16)
+    ("logit_bias", dict(logit_bias=[1, 2])),
+    ("logit_bias", dict(logit_bias={-1: 1.0})),
+    ("logit_bias", dict(logit_bias={"5": 1.0})),
+    ("logit_bias", dict(logit_bias={5: 100.5})),
+    ("logit_bias", dict(logit_bias={t: 1.0 for t in range(257)})),  # more than MAX_LOGIT_BIAS
     ("seed", dict(seed=-1)),
     ("seed", dict(seed=2**63)),
     ("stop_token_ids", dict(stop_token_ids=5)),
@@ -63,6 +78,9 @@ def test_bad_sampling_params_name_the_field(field, kwargs):
 def test_good_sampling_params_are_accepted():
     params = SamplingParams(max_tokens=1, temperature=0, top_p=1, top_k=0, seed=0, stop_token_ids=[4, 5])
     assert params.stop_token_ids == (4, 5)
+    assert SamplingParams(top_k=-1).top_k == 0  # vLLM's "off"
+    biased = SamplingParams(logit_bias={9: 100, 3: -100.0}, min_tokens=16, repetition_penalty=0.5, min_p=1)
+    assert biased.logit_bias == ((3, -100.0), (9, 100.0)) and hash(biased)
 
 
 BAD_LINES = [

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.reference import generate_alone, hf_greedy
+from support.reference import VOCAB, generate_alone, hf_greedy, save_hf_model
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.model import ModelSpec, build_step_program, load_model_config
@@ -21,29 +21,8 @@ from neuron_async_sm.model import ModelSpec, build_step_program, load_model_conf
 transformers = pytest.importorskip("transformers")
 
 REPO = Path(__file__).resolve().parents[1]
-VOCAB = 192
 PROMPTS = ([1, 17, 33, 150, 9], [1, 5], [1, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111])
 NEW_TOKENS = 12
-
-
-def save_hf_model(path: Path, *, seed: int = 0, **overrides) -> transformers.LlamaForCausalLM:
-    """A small random LlamaForCausalLM (GQA: 4 heads on 2 KV heads) saved to `path` as safetensors."""
-    torch.manual_seed(seed)
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.15,
-        eos_token_id=None,
-    )  # wide init: varied greedy tokens; no early stop
-    fields.update(overrides)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
-    model.save_pretrained(path)
-    return model
 
 
 def ours_greedy(path: Path, dtype: str) -> list[list[int]]:

@@ -203,6 +203,15 @@ def _error(exc: openai.APIStatusError) -> dict:
         (dict(prompt="w5", echo=True), "echo"),
         (dict(prompt="w5", stream_options={"include_usage": True}), "stream_options"),  # without stream=true
         (dict(prompt="w5", extra_body={"top_k": -2}), "top_k"),  # -1 is off (vLLM's), below is an error
+        (dict(prompt="w5", presence_penalty=2.5), "presence_penalty"),
+        (dict(prompt="w5", frequency_penalty=-3.0), "frequency_penalty"),
+        (dict(prompt="w5", logit_bias={"w5": 1.0}), "logit_bias"),  # keys are token ids
+        (dict(prompt="w5", logit_bias={"64": 1.0}), "logit_bias"),  # outside the vocabulary
+        (dict(prompt="w5", logit_bias={"5": 101.0}), "logit_bias"),
+        (dict(prompt="w5", logit_bias={str(t): 1.0 for t in range(257)}), "logit_bias"),  # too many entries
+        (dict(prompt="w5", extra_body={"repetition_penalty": 0.0}), "repetition_penalty"),
+        (dict(prompt="w5", extra_body={"min_p": 1.5}), "min_p"),
+        (dict(prompt="w5", max_tokens=4, extra_body={"min_tokens": 5}), "min_tokens"),
         (dict(prompt=[[5], [5, 64]]), "prompt"),  # one bad prompt of a batch refuses the batch
         (dict(prompt=[]), "prompt"),
     ],
@@ -446,6 +455,50 @@ def test_top_k_minus_one_means_off(server, offline, tokenizer):
         **SAMPLED,
     )
     assert out.choices[0].token_ids == expected
+
+
+PROCESSING = [  # each as the openai client sends it: OpenAI's own fields, vLLM's through extra_body
+    dict(frequency_penalty=2.0),
+    dict(presence_penalty=2.0),
+    dict(logit_bias={"5": 30.0, "42": -100.0}),
+    dict(extra_body={"repetition_penalty": 1.6}),
+    dict(extra_body={"min_p": 0.3}, **SAMPLED),
+    dict(extra_body={"min_tokens": 4, "ignore_eos": False, "stop_token_ids": [36]}),
+]
+
+
+def _engine_params(params: dict) -> dict:
+    flat = {**params, **params.get("extra_body", {})}
+    flat.pop("extra_body", None)
+    if "logit_bias" in flat:
+        flat["logit_bias"] = {int(t): b for t, b in flat["logit_bias"].items()}
+    return flat
+
+
+@pytest.mark.parametrize(
+    "params", PROCESSING, ids=["frequency", "presence", "logit_bias", "repetition", "min_p", "min_tokens"]
+)
+def test_penalties_logit_bias_min_tokens_and_min_p_are_honoured(server, offline, tokenizer, params):
+    """Through the openai client, completions and chat: the tokens the offline LLM samples with the
+    same parameters, which differ from what it samples without them."""
+    client = server.client()
+    prompt_ids = tokenizer.encode(words(7, 7, 9, 12, 7)).ids
+    flat = {"ignore_eos": True, "temperature": 0.0, **_engine_params(params)}
+    expected = reference(offline, prompt_ids, max_tokens=10, **flat)
+    without = {k: v for k, v in flat.items() if k in ("ignore_eos", "temperature", "top_p", "seed", "stop_token_ids")}
+    assert expected != reference(offline, prompt_ids, max_tokens=10, **without)  # the parameter matters here
+    extra = {"ignore_eos": True, "return_token_ids": True, **params.get("extra_body", {})}
+    sent = {k: v for k, v in params.items() if k != "extra_body"}
+    sent.setdefault("temperature", 0.0)
+    out = client.completions.create(model=server.model, prompt=prompt_ids, max_tokens=10, extra_body=extra, **sent)
+    assert out.choices[0].token_ids == expected
+
+    messages = [{"role": "user", "content": words(7, 7, 9)}]
+    chat = client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=10, extra_body=extra, **sent
+    )
+    _, body = server.post("/tokenize", {"model": server.model, "messages": messages, "add_generation_prompt": True})
+    assert chat.choices[0].token_ids == reference(offline, body["tokens"], max_tokens=10, **flat)
 
 
 def test_metrics_carry_vllms_names_and_the_model_name(server):

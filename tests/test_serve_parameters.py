@@ -99,6 +99,24 @@ def _return_token_ids(call: Call, greedy: dict) -> None:
     assert call(return_token_ids=False)["choices"][0]["token_ids"] is None
 
 
+def _penalty(call: Call, **penalty: float) -> None:
+    """Over LONG tokens greedy repeats words; a penalty on them changes the output."""
+    plain = call(max_tokens=LONG, ignore_eos=True)
+    assert tokens(call(max_tokens=LONG, ignore_eos=True, **penalty)) != tokens(plain)
+
+
+def _logit_bias(call: Call, greedy: dict) -> None:
+    first = tokens(greedy)[0][0]
+    assert tokens(call(logit_bias={str(first): -100.0}))[0][0] != first
+    assert tokens(call(logit_bias={"7": 100.0}))[0] == [7] * 4
+
+
+def _min_tokens(call: Call, greedy: dict) -> None:
+    stopped = call(max_tokens=LONG)["usage"]["completion_tokens"]  # the model's eos ends it (_ignore_eos)
+    held = call(max_tokens=LONG, min_tokens=stopped + 2)
+    assert held["usage"]["completion_tokens"] >= stopped + 2 and EOS not in tokens(held)[0][: stopped + 2]
+
+
 def _add_special_tokens(call: Call, greedy: dict, *, chat: bool = False) -> None:
     flipped = call(add_special_tokens=chat)  # completions: off (its default is on); chat: on
     assert flipped["usage"]["prompt_tokens"] == greedy["usage"]["prompt_tokens"] + (1 if chat else -1)
@@ -134,9 +152,9 @@ PARAMETERS: dict[str, Param] = {
     "echo": Param(REFUSED, True),  # the logprobs helper's
     "logprobs": Param(REFUSED, 1, chat_value=True),
     "top_logprobs": Param(REFUSED, 2, endpoints=("chat",)),
-    "frequency_penalty": Param(REFUSED, 0.5),
-    "presence_penalty": Param(REFUSED, 0.5),
-    "logit_bias": Param(REFUSED, {"5": 1.0}),
+    "frequency_penalty": Param(HONOURED, check=lambda call, greedy: _penalty(call, frequency_penalty=2.0)),
+    "presence_penalty": Param(HONOURED, check=lambda call, greedy: _penalty(call, presence_penalty=2.0)),
+    "logit_bias": Param(HONOURED, check=_logit_bias),
     "suffix": Param(REFUSED, "w6", endpoints=("completions",)),
     "response_format": Param(REFUSED, {"type": "json_object"}, endpoints=("chat",)),
     **{
@@ -183,9 +201,9 @@ PARAMETERS: dict[str, Param] = {
     "length_penalty": Param(REFUSED, 0.5),
     "priority": Param(REFUSED, 1),
     "spaces_between_special_tokens": Param(REFUSED, False),
-    "min_p": Param(REFUSED, 0.1),  # the penalties helper's
-    "min_tokens": Param(REFUSED, 2),
-    "repetition_penalty": Param(REFUSED, 1.2),
+    "min_p": Param(HONOURED, check=lambda c, g: tokens(c(temperature=2.0, seed=3, min_p=1.0)) == tokens(g) or _fail()),
+    "min_tokens": Param(HONOURED, check=_min_tokens),
+    "repetition_penalty": Param(HONOURED, check=lambda call, greedy: _penalty(call, repetition_penalty=2.0)),
     "prompt_logprobs": Param(REFUSED, 1),  # the logprobs helper's
     "structured_outputs": Param(REFUSED, {"regex": "w5"}),  # the grammar helper's
     "prompt_embeds": Param(REFUSED, "AAAA", endpoints=("completions",)),

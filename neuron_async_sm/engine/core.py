@@ -145,7 +145,14 @@ class EngineCore:
         self.runtime = self.runtimes[OUTPUT_RANK]
         vocab = self.model_config.vocab_size
         self.runners = [
-            ModelRunner(config, runtime, vocab_size=vocab, rank=rank, tracer=self.tracer if rank == 0 else Tracer.NONE)
+            ModelRunner(
+                config,
+                runtime,
+                vocab_size=vocab,
+                eos_token_ids=self.model_config.eos_token_ids,
+                rank=rank,
+                tracer=self.tracer if rank == 0 else Tracer.NONE,
+            )
             for rank, runtime in enumerate(self.runtimes)  # only the output rank (0) traces
         ]
         self.runner = self.runners[OUTPUT_RANK]

@@ -15,6 +15,7 @@ from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, padding_inputs
 from neuron_async_sm.model.kv_cache import KVCache
 from neuron_async_sm.model.llama import ForwardBatch, LlamaModel
 from neuron_async_sm.model.loader import load_weights
+from neuron_async_sm.model.logits_processors import PROCESSING, TokenHistory, process_logits, tokens_so_far
 from neuron_async_sm.model.packed import PackedBatch, pack_step
 from neuron_async_sm.model.sampler import sample_tokens
 from neuron_async_sm.model.spec import ModelSpec
@@ -62,6 +63,8 @@ class StepProgram:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        # Device state beside the KV cache: each slot's token ids, for the penalties (logits_processors.py).
+        self.history = TokenHistory(kv_cache.scratch_slot + 1, spec.max_model_len, device)
         self.fixed_context = device.type == "xla"
         # Eager programs run the step's real tokens only (model/packed.py); a compiled one (XLA, or
         # `compile`) runs the padded shape it was compiled for.
@@ -88,17 +91,35 @@ class StepProgram:
         output_index: torch.Tensor,
         relay_tokens: torch.Tensor | None = None,
         relay_rows: torch.Tensor | None = None,
+        **processing: torch.Tensor,
     ) -> torch.Tensor:
         """Sampled token ids, int32 `[B]`.
 
         The nine step inputs are declared in `model/inputs.py` (`STEP_INPUTS`: dtypes, shapes,
         padding). relay_tokens: integer `[P]`, the previous step's sampled tokens (a future);
-        relay_rows: int32 `[B]`, a row of relay_tokens or -1.
+        relay_rows: int32 `[B]`, a row of relay_tokens or -1. `processing`: the logits-processing
+        inputs (`model/logits_processors.py`), all or none; a step with them writes its input ids
+        into the token history and processes its logits before sampling.
         """
         with self._no_autograd():
             batch = self._prepare(input_ids, positions, query_lens, slot_ids, relay_tokens, relay_rows)
-            logits = self._forward(batch)  # [B, vocab]
             dev = self.device
+            processed = self._processing_inputs(processing)
+            if processed is not None:
+                # After _prepare: the ids are final (a future's token relayed in; under TP, the
+                # output rank's, broadcast), so the in-flight token is counted and ranks agree.
+                self._write_history(batch)
+            logits = self._forward(batch)  # [B, vocab]
+            if processed is not None:
+                num_computed = tokens_so_far(positions.numpy(), query_lens.numpy())  # [B]
+                length = self.spec.max_model_len if self.fixed_context else max(int(num_computed.max()), 1)
+                logits = process_logits(
+                    logits,
+                    processed,
+                    self.history.rows(torch.from_numpy(slot_ids.numpy().astype(np.int64)).to(dev), length),
+                    torch.from_numpy(num_computed).to(dev),
+                    output_index.to(dev),
+                )
             tokens = sample_tokens(
                 logits,
                 temperature=temperature.to(dev),
@@ -106,10 +127,25 @@ class StepProgram:
                 top_p=top_p.to(dev),
                 seeds=seeds.to(dev),
                 output_index=output_index.to(dev),
+                min_p=None if processed is None else processed["min_p"],
             )
             if self.packed and query_lens.numpy().min() > 0:  # no padding row: nothing to zero
                 return tokens.to(torch.int32)
             return tokens.masked_fill(query_lens.to(dev) == 0, 0).to(torch.int32)
+
+    def _processing_inputs(self, processing: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The processing inputs on the device, or None when the step has none."""
+        if not processing:
+            return None
+        if processing.keys() != PROCESSING.keys():
+            raise ValueError(f"logits processing inputs: expected {sorted(PROCESSING)}, got {sorted(processing)}")
+        return {name: value.to(self.device) for name, value in processing.items()}
+
+    def _write_history(self, batch: ForwardBatch | PackedBatch) -> None:
+        if isinstance(batch, PackedBatch):  # its write index has the history's layout (slot, position)
+            self.history.write(batch.write_index, batch.input_ids)
+        else:
+            self.history.write(batch.write_slots * self.spec.max_model_len + batch.positions, batch.input_ids)
 
     def forward_logits(
         self, *, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: torch.Tensor, slot_ids: torch.Tensor

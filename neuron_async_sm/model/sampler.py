@@ -55,12 +55,14 @@ def sample_tokens(
     top_p: torch.Tensor,
     seeds: torch.Tensor,
     output_index: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row, int64 `[B]`, from logits `[B, vocab]` (float32 or float64).
 
     temperature `[B]` (0 -> greedy argmax), top_k `[B]` (0 -> off), top_p `[B]` (1.0 -> off),
-    seeds `[B]` int64, output_index `[B]` int64. Sampling is Gumbel-max over the filtered,
-    temperature-scaled logits, which draws exactly from their softmax.
+    seeds `[B]` int64, output_index `[B]` int64, min_p `[B]` (0 -> off; None: off for all).
+    Sampling is Gumbel-max over the filtered, temperature-scaled logits, which draws exactly from
+    their softmax. Filters apply in vLLM's order: min_p, then top-k and top-p.
     """
     greedy_tokens = logits.argmax(dim=-1)
     greedy = temperature <= 0
@@ -71,6 +73,8 @@ def sample_tokens(
     # have been a no-op for that row, so a row's token never depends on its neighbours' parameters.
     scaled = logits.double() / torch.where(greedy, 1.0, temperature.double()).unsqueeze(1)
     vocab = logits.shape[-1]
+    if min_p is not None and (not on_host or bool((min_p > 0).any())):
+        scaled = scaled.masked_fill(_below_min_p(scaled, min_p), float("-inf"))
     k_on = (top_k > 0) & (top_k < vocab)
     p_on = top_p < 1.0
     if not on_host or bool((k_on | p_on).any()):
@@ -91,3 +95,10 @@ def _filtered_out(
     mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens; rank 0 always has 0
     drop |= p_on.unsqueeze(1) & (mass_before >= top_p.double().unsqueeze(1)) & (rank > 0)  # top_p=0: greedy
     return torch.zeros_like(drop).scatter(1, order, drop)
+
+
+def _below_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Bool `[B, vocab]`: tokens whose probability is below min_p x the row's top probability
+    (vLLM's MinPLogitsProcessor; min_p 0 drops nothing)."""
+    probs = torch.softmax(scaled, dim=-1)
+    return probs < probs.amax(dim=-1, keepdim=True) * min_p.double().unsqueeze(1)

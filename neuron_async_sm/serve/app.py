@@ -192,6 +192,12 @@ class Server:
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos,
                 n=body.n,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                min_p=body.min_p,
+                min_tokens=body.min_tokens,
+                logit_bias=body.token_bias,
             )
         except InvalidRequestError as exc:
             raise invalid(exc) from exc

@@ -2,9 +2,10 @@
 response and streaming-chunk models, and the error body.
 
 Fields OpenAI defines but this engine does not implement are accepted only at their neutral value
-(`echo=false`, no logprobs, no penalties, `best_of` unset or `n`): anything else is a 400 naming the
-field, never a silently different result. Extras beyond OpenAI follow vLLM's names and meanings: `top_k` (-1 or 0:
-off), `stop_token_ids`, `ignore_eos`, `return_token_ids`, `stream_options.continuous_usage_stats`.
+(`echo=false`, no logprobs, `best_of` unset or `n`): anything else is a 400 naming the field, never a
+silently different result. Extras beyond OpenAI follow vLLM's names and meanings: `top_k` (-1 or 0:
+off), `min_p`, `min_tokens`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `return_token_ids`,
+`stream_options.continuous_usage_stats`.
 Text must be valid Unicode: a lone surrogate ("\\ud800", which JSON can carry) is a 400 naming the field.
 """
 
@@ -59,6 +60,9 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
     top_k: int | None = None  # None, 0 and -1: off (vLLM's -1)
+    min_p: float = 0.0
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False  # each choice carries `token_ids` (always, for a model without a tokenizer)
@@ -76,14 +80,16 @@ class _SamplingFields(_Strict):
         for name, neutral in _NEUTRAL_ONLY.items():
             if getattr(self, name) != neutral:
                 return name, f"{name} is not supported (only {json.dumps(neutral)})"
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) != 0:
-                return name, f"{name} is not supported (only 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+        if any(not key.isdecimal() for key in self.logit_bias or {}):
+            return "logit_bias", "logit_bias: keys must be token ids (decimal integers as strings)"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only for stream=true"  # vLLM refuses it too
         return None
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        """logit_bias by token id (JSON keys are strings; `unsupported` checked them)."""
+        return {int(key): value for key, value in (self.logit_bias or {}).items()}
 
     @property
     def top_k_or_off(self) -> int:

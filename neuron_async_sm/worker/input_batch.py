@@ -124,8 +124,9 @@ class WrittenTokens:
 class InputBatch:
     """The requests the worker holds, their tokens and sampling parameters by KV slot, and their row order."""
 
-    def __init__(self, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(self, max_num_seqs: int, max_model_len: int, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids  # the model's: min_tokens holds them back
         # Guards the token state against the async output thread's write-back. Lock order: an
         # output's lock may be held while taking this one, never the reverse (no deadlock).
         self.lock = threading.Lock()

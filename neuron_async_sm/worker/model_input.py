@@ -13,9 +13,11 @@ import torch
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.model import sample_tokens
 from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, INPUTS
+from neuron_async_sm.model.logits_processors import PROCESSING, process_logits, tokens_so_far
 from neuron_async_sm.outputs import SchedulerOutput
 from neuron_async_sm.runtime import WireTensor
 from neuron_async_sm.worker.input_batch import POISON_TOKEN, InputBatch, StepRows, WrittenTokens
+from neuron_async_sm.worker.processing_inputs import processing_inputs
 
 _plus_one = (1).__add__
 SAMPLED_DTYPE = INPUTS["input_ids"].dtype  # the program's output: it feeds the next step as its input_ids
@@ -47,10 +49,18 @@ class ModelInput:
         """Inputs of the logits-only program (host sampling)."""
         return {name: self.inputs[name] for name in FORWARD_INPUT_NAMES}
 
-    def sample_on_host(self, logits: torch.Tensor) -> torch.Tensor:
-        """Host sampling: the same pure sampler the device runs, on logits [B, vocab]."""
-        sampling = ("temperature", "top_k", "top_p", "seeds", "output_index")
-        return sample_tokens(logits, **{name: self.tensor(name) for name in sampling})
+    def sample_on_host(self, logits: torch.Tensor, token_ids: np.ndarray) -> torch.Tensor:
+        """Host sampling (sync mode): the same pure processing and sampler the device runs, on logits
+        [B, vocab]; `token_ids` `[slots, max_model_len]`: the batch's, every token so far written."""
+        sampling = {name: self.tensor(name) for name in ("temperature", "top_k", "top_p", "seeds", "output_index")}
+        if "prompt_len" not in self.inputs:  # no row processes its logits
+            return sample_tokens(logits, **sampling)
+        processing = {name: self.tensor(name) for name in PROCESSING}
+        counts = tokens_so_far(self.tensor("positions").numpy(), self.tensor("query_lens").numpy())  # [B]
+        slots = np.minimum(self.tensor("slot_ids").numpy(), len(token_ids) - 1)  # padding rows count nothing
+        history = torch.from_numpy(token_ids[slots, : max(int(counts.max()), 1)])  # [B, T]
+        logits = process_logits(logits, processing, history, torch.from_numpy(counts), sampling["output_index"])
+        return sample_tokens(logits, **sampling, min_p=processing["min_p"])
 
 
 def logits_dtype(dtype: str) -> torch.dtype:
@@ -73,7 +83,8 @@ class RowInputs:
     output_index_offsets: tuple[int, ...]  # [R] 1 - num_prompt + output_base: a decode's output index is start + this
     output_base: np.ndarray  # int64 [R] outputs already in the prompt (a restarted request)
     # Encoded once for the runtime, [B] each: slot_ids (padding rows: the scratch slot), temperature,
-    # top_k, top_p, seeds, and query_lens of a decode step (1 per real row; a prefill's are per step).
+    # top_k, top_p, seeds, and query_lens of a decode step (1 per real row; a prefill's are per step);
+    # the logits-processing inputs when a row uses them ([B] or [B, W], model/logits_processors.py).
     encoded: Mapping[str, WireTensor]
 
 
@@ -110,6 +121,9 @@ def row_inputs(
         "top_p": _padded(batch.top_p[slots], num_padded, "top_p"),
         "seeds": _padded(batch.seeds[slots], num_padded, "seeds"),
     }
+    params = [batch.requests[r].sampling_params for r in req_ids]
+    prompt_len = batch.num_prompt_tokens[slots] - batch.output_base[slots]  # [R] the original prompt
+    processing = processing_inputs(params, prompt_len, num_padded, batch.eos_token_ids)
     rows = RowInputs(
         req_ids=req_ids,
         num_padded=num_padded,
@@ -117,7 +131,10 @@ def row_inputs(
         token_offsets=tuple((slots * batch.max_model_len).tolist()),
         output_index_offsets=tuple((1 - batch.num_prompt_tokens[slots] + batch.output_base[slots]).tolist()),
         output_base=batch.output_base[slots],
-        encoded={name: WireTensor(value.tobytes(), (num_padded,), INPUTS[name].dtype) for name, value in fixed.items()},
+        encoded={
+            **{name: WireTensor(value.tobytes(), (num_padded,), INPUTS[name].dtype) for name, value in fixed.items()},
+            **{name: WireTensor(v.tobytes(), v.shape, PROCESSING[name].dtype) for name, v in processing.items()},
+        },
     )
     batch.row_inputs_cache = rows
     return rows

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -72,12 +73,14 @@ class ModelRunner:
         runtime: DeviceRuntime,
         *,
         vocab_size: int,
+        eos_token_ids: tuple[int, ...] = (),
         rank: int = 0,
         tracer: Tracer = Tracer.NONE,
         output_thread: str = OUTPUT_THREAD_NAME,
     ) -> None:
         """`output_thread`: the name of the thread that materializes outputs in order, for the trace's
-        header (ours: engine/executor.py's; under vLLM's mp executor, its worker's output-copy thread)."""
+        header (ours: engine/executor.py's; under vLLM's mp executor, its worker's output-copy thread).
+        `eos_token_ids`: the model's, which min_tokens holds back with a request's stop_token_ids."""
         self.config = config
         self.runtime = runtime
         self.rank = rank
@@ -89,7 +92,7 @@ class ModelRunner:
         self.output_thread = output_thread
         self.use_async_scheduling = config.async_scheduling
         self.vocab_size = vocab_size
-        self.batch = InputBatch(config.max_num_seqs, config.max_model_len)
+        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, eos_token_ids)
         # Async mode: the previous step's output, its sampled-token future still on the device, refilled
         # at the end of every step (Reinstate). Materialized only when the worker breaks the async flow.
         self.pending: AsyncModelRunnerOutput | None = None
@@ -156,7 +159,9 @@ class ModelRunner:
         assert executed is not None, "sample_tokens() without execute_model()"
         model_input = executed.model_input
         snapshot = StepSnapshot(executed.scheduled.step_id, model_input.req_ids, model_input.sample_positions)
-        host_sampler = None if self.config.on_device_sampling else model_input.sample_on_host
+        host_sampler = None
+        if not self.config.on_device_sampling:  # sync only: the batch's token ids are complete
+            host_sampler = partial(model_input.sample_on_host, token_ids=self.batch.token_ids)
         output = AsyncModelRunnerOutput(snapshot, executed.future, self.batch, self.tracer, host_sampler)
         if not self.use_async_scheduling:
             # Normal Flow: block on the host copy (a non-output rank's is dropped unread).

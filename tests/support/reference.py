@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from neuron_async_sm.model.inputs import padding_inputs
 from neuron_async_sm.model.program import StepProgram
+
+VOCAB = 192  # save_hf_model's vocabulary
 
 
 @dataclass(frozen=True)
@@ -89,3 +92,25 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         eos_token_id=None,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def save_hf_model(path: Path, *, seed: int = 0, **overrides):  # -> transformers.LlamaForCausalLM
+    """A small random LlamaForCausalLM (GQA: 4 heads on 2 KV heads) saved to `path` as safetensors."""
+    import transformers  # noqa: PLC0415 (only tests with transformers pay its import)
+
+    torch.manual_seed(seed)
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.15,
+        eos_token_id=None,
+    )  # wide init: varied greedy tokens; no early stop
+    fields.update(overrides)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
+    model.save_pretrained(path)
+    return model

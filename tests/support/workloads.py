@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -25,7 +26,10 @@ class RunResult:
     deltas_per_turn: list[int] = field(default_factory=list)
 
 
-def random_workload(rng: random.Random, tag: str, vocab: int = 1024, max_prompt: int = 60) -> list[WorkItem]:
+def random_workload(
+    rng: random.Random, tag: str, vocab: int = 1024, max_prompt: int = 60, *, processing: bool = False
+) -> list[WorkItem]:
+    """Random requests; `processing`: most of them with penalties, logit_bias, min_tokens or min_p too."""
     items = []
     for i in range(rng.randint(1, 10)):
         temperature = rng.choice([0.0, 0.0, 0.7, 1.3])
@@ -38,10 +42,24 @@ def random_workload(rng: random.Random, tag: str, vocab: int = 1024, max_prompt:
             stop_token_ids=tuple(rng.sample(range(3, vocab), rng.choice([0, 0, 20, 60]))),
             ignore_eos=rng.random() < 0.3,
         )
+        if processing and rng.random() < 0.8:
+            params = _with_processing(rng, params, vocab)
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, max_prompt))]
         abort = rng.randint(0, 25) if rng.random() < 0.15 else None
         items.append(WorkItem(f"{tag}-{i}", prompt, params, rng.randint(0, 12), abort))
     return items
+
+
+def _with_processing(rng: random.Random, params: SamplingParams, vocab: int) -> SamplingParams:
+    return dataclasses.replace(
+        params,
+        presence_penalty=rng.choice([0.0, 0.0, 1.5, -1.0]),
+        frequency_penalty=rng.choice([0.0, 0.0, 2.0, 0.3]),
+        repetition_penalty=rng.choice([1.0, 1.0, 1.5, 0.8]),
+        min_p=rng.choice([0.0, 0.0, 0.1]),
+        min_tokens=rng.choice([0, 0, min(params.max_tokens, rng.randint(1, 10))]),
+        logit_bias={rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(rng.choice([0, 0, 3, 40]))},
+    )
 
 
 def drive(llm: LLM, items: list[WorkItem], *, aborts: bool = True, max_turns: int = 10_000) -> RunResult:
