@@ -18,6 +18,8 @@ from support.reference import VOCAB, hf_greedy, save_hf_model
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.engine.llm import PromptRequest
 from neuron_async_sm.model.sampler import sample_tokens
+from neuron_async_sm.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from neuron_async_sm.worker.model_runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
 
@@ -155,3 +157,98 @@ def test_min_p_keeps_the_tokens_transformers_keeps():
     drawn[tokens] = True
     assert 2 < int(kept_hf.sum()) < 20  # the filter really filters
     assert torch.equal(drawn, kept_hf)
+
+
+# -- a preempted request resumed, and slot reuse (runner-level: our own scheduler never preempts) ----------
+
+TINY = dict(
+    dtype="float64",
+    max_num_seqs=4,
+    max_model_len=64,
+    max_num_batched_tokens=32,
+    prefill_buckets=(8, 16, 32),
+    decode_buckets=(1, 2, 4),
+)
+# A greedy without penalties repeats token 998; with frequency and presence penalties its earlier
+# outputs, recomputed as prompt after the restart, must still hold it back.
+RESUMED = {
+    "A": ([9, 9, 9, 10], SamplingParams(max_tokens=14, frequency_penalty=2.0, presence_penalty=0.5, ignore_eos=True)),
+    "B": (
+        [5, 6, 7, 8, 5, 6],
+        SamplingParams(
+            max_tokens=10, temperature=0.9, seed=6, repetition_penalty=1.3, frequency_penalty=1.0, ignore_eos=True
+        ),
+    ),
+}
+PREEMPT_AFTER = 5  # A's outputs before it is preempted
+
+
+def _run_with_a_preemption(llm: LLM) -> dict[str, list[int]]:
+    """A runs 5 steps in slot 0 and is preempted; B takes slot 0 (A's history still there); A
+    restarts in slot 1 as vLLM restarts it: a new request whose prompt holds its 5 outputs
+    (`num_output_tokens`), recomputed. Outputs are materialized as the engine core does (two steps
+    in flight), all of them before the restart, whose prompt needs them."""
+    runner = ModelRunner(llm.config, llm.engine.runtime, vocab_size=llm.vocab_size)
+    outputs: dict[str, list[int]] = {"A": [], "B": []}
+    pending: list = []
+    computed: dict[str, int] = {}
+
+    def collect(output) -> None:
+        done = output if isinstance(output, ModelRunnerOutput) else output.get_output()
+        for req, token in done.by_request().items():
+            outputs[req].append(token)
+
+    def step(step_id: int, new: list[NewRequestData], decode: list[str], finished=frozenset()) -> None:
+        scheduled = {n.request_id: len(n.prompt_token_ids) for n in new} | dict.fromkeys(decode, 1)
+        num_computed = {n.request_id: 0 for n in new} | {r: computed[r] for r in decode}
+        for req, count in scheduled.items():
+            computed[req] = num_computed[req] + count
+        runner.execute_model(
+            SchedulerOutput(
+                step_id=step_id,
+                num_scheduled_tokens=scheduled,
+                num_computed_tokens=num_computed,
+                scheduled_new_reqs=new,
+                finished_req_ids=frozenset(finished),
+                sampling_req_ids=frozenset(scheduled),
+                all_decode=not new,
+            )
+        )
+        pending.append(runner.sample_tokens())
+        if len(pending) == 2:
+            collect(pending.pop(0))
+
+    def flush() -> None:
+        while pending:
+            collect(pending.pop(0))
+
+    prompt_a, params_a = RESUMED["A"]
+    prompt_b, params_b = RESUMED["B"]
+    step(0, [NewRequestData("A", prompt_a, params_a, 5, 0)], [])
+    for step_id in range(1, PREEMPT_AFTER):
+        step(step_id, [], ["A"])
+    flush()
+    assert len(outputs["A"]) == PREEMPT_AFTER
+    step(PREEMPT_AFTER, [NewRequestData("B", prompt_b, params_b, params_b.seed, 0)], [], finished={"A"})
+    restart = NewRequestData("A", prompt_a + outputs["A"], params_a, 5, 1, PREEMPT_AFTER)
+    step(PREEMPT_AFTER + 1, [restart], ["B"])
+    sampled = {"A": PREEMPT_AFTER + 1, "B": 2}
+    step_id = PREEMPT_AFTER + 2
+    while rows := [r for r in ("B", "A") if sampled[r] < RESUMED[r][1].max_tokens]:
+        step(step_id, [], rows)
+        for r in rows:
+            sampled[r] += 1
+        step_id += 1
+    flush()
+    return outputs
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_preempted_request_resumed_counts_its_outputs_again(async_scheduling):
+    """The restart recomputes A's outputs as prompt tokens of a new request; they are rewritten in the
+    history of its new slot and still count as outputs (frequency, presence), so A samples what it
+    samples uninterrupted. B, in A's old slot, reads none of A's history."""
+    with LLM("tiny-llama", async_scheduling=False, device="cpu-inprocess", **TINY) as llm:
+        alone = {r: llm.generate([prompt], params)[0].output_token_ids for r, (prompt, params) in RESUMED.items()}
+    with LLM("tiny-llama", async_scheduling=async_scheduling, device="cpu-inprocess", **TINY) as llm:
+        assert _run_with_a_preemption(llm) == alone

@@ -70,6 +70,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", default="steady", choices=WORKLOADS, help="see neuron_async_sm/bench/workloads.py")
     p.add_argument("--num-requests", type=int, default=None, help="default: steady 8, churn 64, mixed 48")
     p.add_argument("--output-tokens", type=int, default=None, help="steady: output tokens per request (256)")
+    p.add_argument(
+        "--penalties", action="store_true", help="every request with presence/frequency/repetition penalties"
+    )
     p.add_argument("--repetitions", type=int, default=5, help="recorded runs per mode (alternating)")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded runs per mode first")
     p.add_argument("--model", default="tiny-llama")
@@ -215,6 +218,7 @@ def _compare_section(args: argparse.Namespace, show: bool) -> dict:
         output_tokens=args.output_tokens,
         seed=args.seed,
         vocab_size=vocab_size,
+        penalties=args.penalties,
     )
     emulated = args.device == "cpu"  # the device process: pinning and its torch threads apply
     # xla (PJRT's CPU client here) computes in this process: its native threads get the device's CPU
@@ -245,6 +249,7 @@ def _compare_section(args: argparse.Namespace, show: bool) -> dict:
         close()
     section = result.to_json()
     section.update(workload=args.workload, num_requests=num_requests, model=args.model, config=config)
+    section["penalties"] = args.penalties
     section["native_cpu"] = native_cpu
     _print_compare(section)
     return section

@@ -12,10 +12,14 @@ async runs see the same request mix in the same order, whichever mode is faster.
 - `mixed`: 48 requests in bursts (gaps drawn from a geometric distribution, mean 4 turns), prompt
   lengths from a long-tailed distribution (8-320 tokens, so long prompts are chunked under the
   token budget), output lengths 16-192, greedy / temperature / top-p mixed. A realistic serving mix.
+
+`penalties`: every request also carries presence, frequency and repetition penalties (`PENALTIES`),
+so every step processes its logits on the device (model/logits_processors.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -24,6 +28,7 @@ from neuron_async_sm.sampling_params import SamplingParams
 
 WORKLOADS = ("steady", "churn", "mixed")
 DEFAULT_NUM_REQUESTS = {"steady": 8, "churn": 64, "mixed": 48}
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ def build_workload(
     max_model_len: int = 512,
     output_tokens: int | None = None,
     seed: int = 0,
+    penalties: bool = False,
 ) -> Workload:
     """The workload called `name` (see the module docstring); ValueError names an unknown one.
 
@@ -96,4 +102,9 @@ def build_workload(
             )
             requests.append(PromptRequest(prompt(max(length, 8)), params, f"m{i}", arrival_step=turn))
             turn += int(rng.expovariate(1 / 4))
+    if penalties:
+        requests = [
+            dataclasses.replace(r, sampling_params=dataclasses.replace(r.sampling_params, **PENALTIES))
+            for r in requests
+        ]
     return Workload(name, tuple(requests))

@@ -92,12 +92,25 @@ def tokens_so_far(positions: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
     return np.where(lens > 0, last + 1, 0)
 
 
-def _scatter_bins(rows: int, vocab: int, ids: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`[rows, vocab]` count of each id of `ids` `[rows, N]` where `keep`; the others land in a spare
-    column, dropped (a fixed-shape scatter: no data-dependent selection)."""
-    index = torch.where(keep, ids.long(), vocab)
-    bins = torch.zeros((rows, vocab + 1), dtype=dtype, device=ids.device)
-    return bins.scatter_add_(1, index, torch.ones_like(index, dtype=dtype))[:, :vocab]
+PARTS = frozenset({"min_tokens", "logit_bias", "penalties", "min_p"})
+
+
+def parts_used(inputs: Mapping[str, torch.Tensor]) -> frozenset[str]:
+    """The parts of processing some row of the step uses, from the host inputs. A host program runs
+    only those (the others are no-ops for every row); a compiled one runs all of them (`PARTS`), one
+    program whatever the rows ask for."""
+    used = set()
+    if bool((inputs["min_tokens"] > 0).any()):
+        used.add("min_tokens")
+    if bool((inputs["bias_ids"] >= 0).any()):
+        used.add("logit_bias")
+    if bool(((inputs["presence_penalty"] != 0) | (inputs["frequency_penalty"] != 0)).any()) or bool(
+        (inputs["repetition_penalty"] != 1).any()
+    ):
+        used.add("penalties")
+    if bool((inputs["min_p"] > 0).any()):
+        used.add("min_p")
+    return frozenset(used)
 
 
 def process_logits(
@@ -106,34 +119,52 @@ def process_logits(
     history: torch.Tensor,
     num_computed: torch.Tensor,
     output_index: torch.Tensor,
+    parts: frozenset[str] = PARTS,
 ) -> torch.Tensor:
     """Logits `[B, vocab]` after min_tokens, logit_bias and the penalties, in vLLM's order.
 
     inputs: the processing inputs on the logits' device; history: `[B, T]` each row's token ids by
     position; num_computed `[B]` int64: the row's positions 0..num_computed-1 are its tokens so far
     (prompt below `prompt_len`, outputs from there); output_index `[B]`: outputs before the sampled one.
+    `parts`: those to run (`parts_used`); a part no row uses changes nothing.
     """
     rows, vocab = logits.shape
     dtype = logits.dtype
-    # min_tokens: no stop token while the output is shorter (vLLM's MinTokensLogitsProcessor).
-    stop_ids = inputs["stop_ids"].long()  # [B, S]
-    short = (output_index < inputs["min_tokens"]).unsqueeze(1)  # [B, 1]
-    banned = _scatter_bins(rows, vocab, stop_ids, short & (stop_ids >= 0), torch.int32) > 0
-    logits = logits.masked_fill(banned, float("-inf"))
-    # logit_bias: added (vLLM's LogitBiasLogitsProcessor; entries are distinct token ids).
-    bias_ids = inputs["bias_ids"].long()  # [B, K]
-    index = torch.where(bias_ids >= 0, bias_ids, vocab)
-    bias = torch.zeros((rows, vocab + 1), dtype=dtype, device=logits.device)
-    logits = logits + bias.scatter_add_(1, index, inputs["bias_values"].to(dtype))[:, :vocab]
-    # Penalties (vLLM's apply_penalties): repetition on prompt and output tokens, frequency and
-    # presence on output tokens.
+    spare = torch.full((), vocab, dtype=torch.long, device=logits.device)  # a column dropped after scatters
+    if "min_tokens" in parts:  # no stop token while the output is shorter (vLLM's MinTokensLogitsProcessor)
+        stop_ids = inputs["stop_ids"].long()  # [B, S]
+        short = (output_index < inputs["min_tokens"]).unsqueeze(1)  # [B, 1]
+        index = torch.where(short & (stop_ids >= 0), stop_ids, spare)
+        banned = torch.zeros((rows, vocab + 1), dtype=torch.bool, device=logits.device).scatter_(1, index, True)
+        logits = logits.masked_fill(banned[:, :vocab], float("-inf"))
+    if "logit_bias" in parts:  # added (vLLM's LogitBiasLogitsProcessor; entries are distinct token ids)
+        bias_ids = inputs["bias_ids"].long()  # [B, K]
+        index = torch.where(bias_ids >= 0, bias_ids, spare)
+        bias = torch.zeros((rows, vocab + 1), dtype=dtype, device=logits.device)
+        logits = logits + bias.scatter_add_(1, index, inputs["bias_values"].to(dtype))[:, :vocab]
+    if "penalties" in parts:  # vLLM's apply_penalties: repetition on prompt and output, the others on output
+        logits = _penalize(logits, inputs, history, num_computed)
+    return logits
+
+
+def _penalize(
+    logits: torch.Tensor, inputs: Mapping[str, torch.Tensor], history: torch.Tensor, num_computed: torch.Tensor
+) -> torch.Tensor:
+    rows, vocab = logits.shape
+    dtype = logits.dtype
     position = torch.arange(history.shape[1], device=history.device).unsqueeze(0)  # [1, T]
     seen = position < num_computed.unsqueeze(1)  # [B, T]
     in_prompt = position < inputs["prompt_len"].long().unsqueeze(1)  # [B, T]
-    counts = _scatter_bins(rows, vocab, history, seen & ~in_prompt, dtype)  # [B, vocab]
+    # One scatter for both: output tokens count in columns [0, vocab), prompt tokens in
+    # [vocab + 1, 2 * vocab + 1); unseen positions land in column vocab, dropped.
+    index = torch.where(seen, history.long() + in_prompt * (vocab + 1), vocab)
+    bins = torch.zeros((rows, 2 * vocab + 1), dtype=dtype, device=logits.device)
+    bins.scatter_add_(1, index, torch.ones_like(index, dtype=dtype))
+    counts = bins[:, :vocab]  # [B, vocab] occurrences in the output
     in_output = counts > 0
-    in_either = in_output | (_scatter_bins(rows, vocab, history, seen & in_prompt, torch.int32) > 0)
-    repetition = torch.where(in_either, inputs["repetition_penalty"].to(dtype).unsqueeze(1), 1.0)
+    repetition = torch.where(
+        in_output | (bins[:, vocab + 1 :] > 0), inputs["repetition_penalty"].to(dtype).unsqueeze(1), 1.0
+    )
     logits = logits * torch.where(logits > 0, 1.0 / repetition, repetition)
     logits = logits - inputs["frequency_penalty"].to(dtype).unsqueeze(1) * counts
     return logits - inputs["presence_penalty"].to(dtype).unsqueeze(1) * in_output.to(dtype)

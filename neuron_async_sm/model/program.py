@@ -15,7 +15,14 @@ from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, padding_inputs
 from neuron_async_sm.model.kv_cache import KVCache
 from neuron_async_sm.model.llama import ForwardBatch, LlamaModel
 from neuron_async_sm.model.loader import load_weights
-from neuron_async_sm.model.logits_processors import PROCESSING, TokenHistory, process_logits, tokens_so_far
+from neuron_async_sm.model.logits_processors import (
+    PARTS,
+    PROCESSING,
+    TokenHistory,
+    parts_used,
+    process_logits,
+    tokens_so_far,
+)
 from neuron_async_sm.model.packed import PackedBatch, pack_step
 from neuron_async_sm.model.sampler import sample_tokens
 from neuron_async_sm.model.spec import ModelSpec
@@ -105,9 +112,12 @@ class StepProgram:
             batch = self._prepare(input_ids, positions, query_lens, slot_ids, relay_tokens, relay_rows)
             dev = self.device
             processed = self._processing_inputs(processing)
-            if processed is not None:
+            # A host program runs the parts some row uses; a compiled one all (one program).
+            parts = parts_used(processing) if processed is not None and self.packed else PARTS
+            if processed is not None and "penalties" in parts:
                 # After _prepare: the ids are final (a future's token relayed in; under TP, the
-                # output rank's, broadcast), so the in-flight token is counted and ranks agree.
+                # output rank's, broadcast), so the in-flight token is counted and ranks agree. A
+                # penalized request is in every step that computes its tokens: its history is whole.
                 self._write_history(batch)
             logits = self._forward(batch)  # [B, vocab]
             if processed is not None:
@@ -119,6 +129,7 @@ class StepProgram:
                     self.history.rows(torch.from_numpy(slot_ids.numpy().astype(np.int64)).to(dev), length),
                     torch.from_numpy(num_computed).to(dev),
                     output_index.to(dev),
+                    parts,
                 )
             tokens = sample_tokens(
                 logits,
@@ -127,7 +138,7 @@ class StepProgram:
                 top_p=top_p.to(dev),
                 seeds=seeds.to(dev),
                 output_index=output_index.to(dev),
-                min_p=None if processed is None else processed["min_p"],
+                min_p=None if processed is None or "min_p" not in parts else processed["min_p"],
             )
             if self.packed and query_lens.numpy().min() > 0:  # no padding row: nothing to zero
                 return tokens.to(torch.int32)

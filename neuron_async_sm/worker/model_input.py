@@ -13,7 +13,7 @@ import torch
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.model import sample_tokens
 from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, INPUTS
-from neuron_async_sm.model.logits_processors import PROCESSING, process_logits, tokens_so_far
+from neuron_async_sm.model.logits_processors import PROCESSING, parts_used, process_logits, tokens_so_far
 from neuron_async_sm.outputs import SchedulerOutput
 from neuron_async_sm.runtime import WireTensor
 from neuron_async_sm.worker.input_batch import POISON_TOKEN, InputBatch, StepRows, WrittenTokens
@@ -59,8 +59,9 @@ class ModelInput:
         counts = tokens_so_far(self.tensor("positions").numpy(), self.tensor("query_lens").numpy())  # [B]
         slots = np.minimum(self.tensor("slot_ids").numpy(), len(token_ids) - 1)  # padding rows count nothing
         history = torch.from_numpy(token_ids[slots, : max(int(counts.max()), 1)])  # [B, T]
-        logits = process_logits(logits, processing, history, torch.from_numpy(counts), sampling["output_index"])
-        return sample_tokens(logits, **sampling, min_p=processing["min_p"])
+        parts = parts_used(processing)
+        logits = process_logits(logits, processing, history, torch.from_numpy(counts), sampling["output_index"], parts)
+        return sample_tokens(logits, **sampling, min_p=processing["min_p"] if "min_p" in parts else None)
 
 
 def logits_dtype(dtype: str) -> torch.dtype:
