@@ -49,6 +49,12 @@ REQUEST_FIELDS = {
     "seed",
     "stop_token_ids",
     "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+    "logit_bias",
     "arrival_step",
 }
 
@@ -58,7 +64,9 @@ GENERATE_HELP = """Generate for every request of a JSONL file.
 Input, one JSON object per line (blank lines skipped):
   {"request_id"?: str, "prompt_token_ids": [int] | "prompt": str, "max_tokens": int,
    "temperature"?: float, "top_k"?: int, "top_p"?: float, "seed"?: int,
-   "stop_token_ids"?: [int], "ignore_eos"?: bool, "arrival_step"?: int}
+   "stop_token_ids"?: [int], "ignore_eos"?: bool, "presence_penalty"?: float,
+   "frequency_penalty"?: float, "repetition_penalty"?: float, "min_p"?: float, "min_tokens"?: int,
+   "logit_bias"?: {"token id": float}, "arrival_step"?: int}
   ("prompt" text needs a tokenizer.json in the model directory; a line without request_id is line-N)
 Output, one line per input line, in input order (OUT.partial holds them in completion order while
 the run goes on):
@@ -119,8 +127,15 @@ def parse_request_line(line: str, index: int, tokenizer: object | None) -> Promp
         raise InvalidRequestError("prompt_token_ids: missing (or give 'prompt' text)")
     if "max_tokens" not in obj:
         raise InvalidRequestError("max_tokens: missing")
-    params_fields = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos")
-    params = SamplingParams(**{k: obj[k] for k in params_fields if k in obj})
+    params_fields = (
+        *("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos"),
+        *("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias"),
+    )
+    fields = {k: obj[k] for k in params_fields if k in obj}
+    bias = fields.get("logit_bias")
+    if isinstance(bias, dict):  # JSON keys are strings: token ids written as decimal strings
+        fields["logit_bias"] = {int(k) if isinstance(k, str) and k.isdecimal() else k: v for k, v in bias.items()}
+    params = SamplingParams(**fields)
     arrival = obj.get("arrival_step", 0)
     if not is_int(arrival) or arrival < 0:
         raise InvalidRequestError(f"arrival_step: must be an integer >= 0, got {arrival!r}")

@@ -97,6 +97,21 @@ def test_include_stop_keeps_the_longest_stop_string_that_matched_first():
     assert text.push([0]) + text.push([1, 2]) == "xy cd e" and text.stopped  # both matched in one step
 
 
+def test_a_stop_string_within_the_first_min_tokens_tokens_does_not_stop():
+    """vLLM's min_tokens holds back stop strings too: one that ends within the first min_tokens
+    tokens' text is output; the next one stops."""
+    words = Words(["ab", "cd", "ef"])
+    eager = IncrementalText(words, ("cd",))  # type: ignore[arg-type]
+    eager.push([1])
+    assert eager.stopped
+    text = IncrementalText(words, ("cd",), min_tokens=2)  # type: ignore[arg-type]
+    text.push([1])
+    text.push([0])
+    assert not text.stopped
+    text.push([1], final=True)
+    assert text.stopped and text.text == "cd ab "
+
+
 def test_without_stop_strings_text_streams_at_once_and_the_rest_comes_on_the_final_piece():
     text = IncrementalText(Words(["x", "y"]), ())  # type: ignore[arg-type]
     assert text.push([0]) == "x" and text.push([1], final=True) == " y"

@@ -105,9 +105,13 @@ class _SamplingFields(_Strict):
         return self.stream_options is not None and self.stream_options.usage_in_every_chunk
 
     @property
-    def text_options(self) -> dict[str, bool]:
+    def text_options(self) -> dict[str, bool | int]:
         """How the output is decoded (IncrementalText's options)."""
-        return {"skip_special_tokens": self.skip_special_tokens, "include_stop": self.include_stop_str_in_output}
+        return {
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop": self.include_stop_str_in_output,
+            "min_tokens": self.min_tokens,  # a stop string within the first min_tokens tokens does not count
+        }
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -152,11 +152,15 @@ class IncrementalText:
         *,
         skip_special_tokens: bool = True,
         include_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.skip_special_tokens = skip_special_tokens
         self.include_stop = include_stop  # the text ends with the stop string that matched (vLLM's option)
+        # vLLM's min_tokens: a stop string counts only once it ends past the first min_tokens tokens' text.
+        self.min_tokens = min_tokens
+        self._floor: int | None = 0 if min_tokens == 0 else None  # that text's length, once known
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""  # decoded so far (cut at a stop string once one matched)
@@ -171,7 +175,10 @@ class IncrementalText:
         if self.tokenizer is None:
             return ""
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
-        cut = self._first_stop(text)
+        if self._floor is None and len(self.token_ids) > self.min_tokens:
+            head = self.token_ids[: self.min_tokens]
+            self._floor = len(self.tokenizer.decode(head, skip_special_tokens=self.skip_special_tokens))
+        cut = None if self._floor is None else self._first_stop(text, self._floor)
         if cut is not None:
             self.stopped, final = True, True
             text = text[: cut[1] if self.include_stop else cut[0]]
@@ -186,9 +193,10 @@ class IncrementalText:
         piece, self.sent = text[self.sent : end], end
         return piece
 
-    def _first_stop(self, text: str) -> tuple[int, int] | None:
+    def _first_stop(self, text: str, floor: int) -> tuple[int, int] | None:
         """(start, end) of the first stop string in `text`; the longest of those starting there."""
-        # Only where a match can be new: one that ended inside the sent text would have stopped us.
+        # Only where a match can be new: one that ended inside the sent text would have stopped us
+        # (or one that ends within the first min_tokens tokens' text, `floor`, which does not count).
         start = max(0, self.sent - self._holdback)
-        hits = [(i, i + len(s)) for s in self.stop if (i := text.find(s, start)) >= 0]
+        hits = [(i, i + len(s)) for s in self.stop if (i := text.find(s, max(start, floor - len(s) + 1))) >= 0]
         return min(hits, key=lambda hit: (hit[0], -hit[1])) if hits else None
