@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from support.reference import VOCAB, hf_greedy, save_hf_model
@@ -252,3 +253,42 @@ def test_a_preempted_request_resumed_counts_its_outputs_again(async_scheduling):
         alone = {r: llm.generate([prompt], params)[0].output_token_ids for r, (prompt, params) in RESUMED.items()}
     with LLM("tiny-llama", async_scheduling=async_scheduling, device="cpu-inprocess", **TINY) as llm:
         assert _run_with_a_preemption(llm) == alone
+
+
+def test_the_compiled_devices_path_samples_what_the_host_path_samples():
+    """A compiling device (XLA) runs the padded forward over the whole cache and every part of the
+    processing for every processed step (no host shortcut). On the same steps, with a padding row
+    and rows of each kind side by side, it samples what the eager host program samples."""
+    from support.reference import RowStep, pack_step
+
+    from neuron_async_sm.model import ModelSpec, build_step_program
+    from neuron_async_sm.worker.processing_inputs import processing_inputs
+
+    spec = ModelSpec("tiny-llama", "float64", max_num_seqs=4, max_model_len=48)
+    host, compiled = build_step_program(spec), build_step_program(spec)
+    compiled.packed, compiled.fixed_context = False, True  # what an XLA device runs
+    params = [
+        SamplingParams(max_tokens=20, frequency_penalty=2.0, presence_penalty=0.5, repetition_penalty=1.4),
+        SamplingParams(max_tokens=20, logit_bias={998: 5.0, 15: -100.0}, min_tokens=6, stop_token_ids=(54,)),
+        SamplingParams(max_tokens=20, temperature=0.9, min_p=0.2, seed=3),
+    ]
+    prompts = [[9, 9, 9, 10], [9, 9, 9, 10], [5, 6, 7, 8, 5]]
+    processing = {k: torch.from_numpy(v) for k, v in processing_inputs(params, np.array([4, 4, 5]), 4, (2,)).items()}
+
+    def run(program) -> list[list[int]]:
+        sampling = [dict(temperature=p.temperature, seed=p.seed or 0) for p in params]
+        rows = [RowStep(tuple(p), 0, slot, **sampling[slot]) for slot, p in enumerate(prompts)]
+        out = [[t] for t in program(**pack_step(rows, program.scratch_slot, num_rows=4), **processing)[:3].tolist()]
+        for _ in range(12):
+            rows = [
+                RowStep((o[-1],), len(p) + len(o) - 1, slot, output_index=len(o), **sampling[slot])
+                for slot, (p, o) in enumerate(zip(prompts, out, strict=True))
+            ]
+            tokens = program(**pack_step(rows, program.scratch_slot, num_rows=4), **processing)
+            for o, t in zip(out, tokens[:3].tolist(), strict=True):
+                o.append(t)
+        return out
+
+    got = run(compiled)
+    assert got == run(host)
+    assert 54 not in got[1][:6] and len(set(got[0])) == len(got[0])  # min_tokens held; no repeat under penalties
