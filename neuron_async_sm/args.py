@@ -69,6 +69,9 @@ def _flag_options(f: dataclasses.Field, hint: object) -> dict:
     """argparse's keywords for one field: dest, default, help, and an action or a type."""
     options = {"dest": f.name, "default": f.default, "help": f.metadata["help"]}
     options.update({k: v for k, v in f.metadata.items() if k in ("choices", "metavar")})
+    if "parse" in f.metadata:  # a value the field's own validation parses (JSON text)
+        options["type"] = f.metadata["parse"]
+        return options
     if isinstance(hint, types.UnionType):  # `int | None`: the flag parses the int; None is the default
         (hint,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
     if hint is bool:

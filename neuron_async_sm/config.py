@@ -7,9 +7,10 @@ engine reads environment variables or re-validates.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from neuron_async_sm.errors import NeuronAsyncSMError
@@ -39,6 +40,68 @@ def flag(default: Any, help: str, **argparse_options: Any) -> Any:
     spelt otherwise. Type and default come from the field (`neuron_async_sm/args.py` builds the flags).
     """
     return field(default=default, metadata={"help": help, **argparse_options})
+
+
+SPEC_METHODS = ("ngram",)
+"""Implemented drafters. `draft_model` (docs/spec-decode.md §1) is designed, not built yet."""
+MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """k drafts per decode row, proposed by `method`, verified by the target in the same step."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 1  # k
+    prompt_lookup_max: int = 4  # ngram: longest suffix matched
+    prompt_lookup_min: int = 1  # ngram: shortest suffix matched
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            planned = " ('draft_model' is designed in docs/spec-decode.md, not implemented)"
+            raise ConfigError(
+                f"speculative_config.method: {self.method!r} is not supported; choose one of {SPEC_METHODS}{planned}"
+            )
+        k = self.num_speculative_tokens
+        if not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                "speculative_config.num_speculative_tokens: must be an integer in "
+                f"1..{MAX_SPECULATIVE_TOKENS}, got {k!r}"
+            )
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ConfigError(f"speculative_config.{name}: must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    @property
+    def width(self) -> int:
+        """Tokens a spec row computes and at most emits: the last accepted token's successor and k more."""
+        return 1 + self.num_speculative_tokens
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig:
+        """A SpeculativeConfig from JSON text, a dict or itself."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"speculative_config: not a JSON object: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config: expected a JSON object, got {value!r}")
+        if value.get("method", cls.method) not in SPEC_METHODS:
+            cls(method=value["method"])  # raises, naming the method (before its keys are judged)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config.{unknown[0]}: not supported; known keys: {sorted(known)}")
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -107,6 +170,14 @@ class EngineConfig:
     distributed_executor_backend: str = flag("mp", "how the ranks' device processes run", choices=EXECUTOR_BACKENDS)
     # NDJSON trace of machine transitions and materializations
     trace_path: str | None = flag(None, "write machine transitions", name="--trace", metavar="FILE.ndjson")
+    # Speculative decoding (docs/spec-decode.md): a SpeculativeConfig, its dict or its JSON text
+    # (normalized to a SpeculativeConfig). None: off.
+    speculative_config: SpeculativeConfig | None = flag(
+        None,
+        'speculative decoding, as vLLM takes it: e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'',
+        metavar="JSON",
+        parse=str,
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decode_buckets", _buckets("decode_buckets", self.decode_buckets))
@@ -161,6 +232,14 @@ class EngineConfig:
                 "next program); pass --no-async-scheduling to sample on the host"
             )
         _tensor_parallel(self)
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+            # n-gram drafts need every accepted token on the host: a spec step's input is [rows, L],
+            # which no future fits, so with the relay off every step with a pending future
+            # materializes first (ShapeMismatchRebuild, or CompositionBreak when the set changed).
+            # The relay would build input ids on the device instead (docs/spec-decode.md §6).
+            object.__setattr__(self, "async_relay", False)
+            _speculation(self)
 
     def decode_bucket(self, num_rows: int) -> int:
         """Smallest decode bucket that holds `num_rows` rows."""
@@ -217,6 +296,16 @@ def _tensor_parallel(config: EngineConfig) -> None:
             "enforce_eager: a tensor-parallel rank's program runs eagerly (its collectives are not compiled); "
             "drop --no-enforce-eager or use tensor_parallel_size 1"
         )
+
+
+def _speculation(config: EngineConfig) -> None:
+    """What speculative decoding does not run with yet, refused by name (docs/spec-decode.md §9)."""
+    if not config.on_device_sampling:
+        raise ConfigError("speculative_config: verification samples on the device; needs on_device_sampling")
+    if config.tensor_parallel_size > 1:
+        raise ConfigError("speculative_config: not implemented with tensor_parallel_size > 1 yet")
+    if config.device == "xla" or not config.enforce_eager:
+        raise ConfigError("speculative_config: the verification program runs eagerly (enforce_eager, no xla) for now")
 
 
 def _positive(name: str, value: int) -> None:

@@ -42,6 +42,9 @@ class SchedulerOutput:
     # Every scheduled request computes exactly one token past its prompt (a decode step): the
     # program input is 1-D and may be the previous step's sampled-token future.
     all_decode: bool
+    # Speculative decoding: request id -> drafts reserved for its row (its row computes 1 + that many
+    # tokens); a request not here drafts nothing this step.
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -69,9 +72,17 @@ class ModelRunnerOutput:
     step_id: int
     req_ids: list[str]  # row order of the step's program (the snapshot)
     sampled_token_ids: list[int]  # [num_reqs], row i belongs to req_ids[i]
+    # Speculative decoding: row i's tokens, its accepted drafts then one more ([1 + a_i] each);
+    # sampled_token_ids[i] is the first of them. None: one token per row.
+    spec_token_ids: list[list[int]] | None = None
 
     def by_request(self) -> dict[str, int]:
         return dict(zip(self.req_ids, self.sampled_token_ids, strict=True))
+
+    def runs_by_request(self) -> dict[str, list[int]]:
+        """Each row's tokens as a list (one token each without speculation)."""
+        runs = self.spec_token_ids or [[t] for t in self.sampled_token_ids]
+        return dict(zip(self.req_ids, runs, strict=True))
 
 
 @dataclass

@@ -54,6 +54,10 @@ class Request:
     # The most tokens it may compute: the prompt and every output but the last (sampled, never fed back).
     max_computed_tokens: int = field(default=0, init=False, repr=False)
     num_prompt_tokens: int = field(default=0, init=False, repr=False)  # len(prompt_token_ids)
+    # Speculative decoding (docs/spec-decode.md §3, §5): rows in flight that sample (each gives at
+    # least one token), and whether it may still speculate (off for good near max_model_len).
+    num_sampling_in_flight: int = field(default=0, init=False, repr=False)
+    speculating: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)

@@ -52,7 +52,10 @@ class Scheduler:
         self._free_slots: list[int] = list(range(config.max_num_seqs))
         self._finished_since_schedule: set[str] = set()
         self._next_step_id = 0
-        self.num_output_tokens = 0  # tokens emitted so far (every delta of update_from_output holds one)
+        self.num_output_tokens = 0  # tokens emitted so far
+        spec = config.speculative_config
+        self.num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens  # k; 0: no speculation
+        self.num_accepted_tokens = 0  # drafts accepted, over every spec row applied
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -131,12 +134,24 @@ class Scheduler:
         all_decode = True
         done: list[Request] = []  # left out for good: their last token is in flight
         add_sampling = sampling.add
+        k = self.num_spec_tokens
+        drafts: dict[str, int] = {}
 
         # One pass per running request, inlined: this loop is the scheduler's per-request cost on
         # every step (the rest of a step is O(changes)).
         for request in self.running:  # past the budget every n below is 0: nothing more is scheduled
             req_id, computed = request.request_id, request.num_computed_tokens
             num_prompt = request.num_prompt_tokens
+            if computed >= num_prompt and k:  # speculative decode: 1 + drafts tokens, which sample
+                n = self._spec_row(request, min(budget, 1 + k), done)
+                if n:
+                    budget -= n
+                    num_scheduled[req_id] = n
+                    num_computed[req_id] = computed
+                    add_sampling(req_id)
+                    if n > 1:
+                        drafts[req_id] = n - 1
+                continue
             if computed >= num_prompt:  # decode: one token, which samples
                 if computed >= request.max_computed_tokens:
                     # The max_tokens pipelining gap: every output it may have is sampled or in flight
@@ -198,6 +213,11 @@ class Scheduler:
             # Nothing to run (e.g. every request waits on an in-flight token): keep the finished ids
             # for the next step that reaches the worker.
             return SchedulerOutput(self._next_step_id, {}, {}, [], frozenset(), frozenset(), False)
+        if k:
+            for req_id in sampling:
+                self.requests[req_id].num_sampling_in_flight += 1
+            # The step's input is always [rows, L]: decode rows are chunks of 1 + drafts tokens.
+            all_decode = False
         output = SchedulerOutput(
             step_id=self._next_step_id,
             num_scheduled_tokens=num_scheduled,
@@ -206,6 +226,7 @@ class Scheduler:
             finished_req_ids=frozenset(self._finished_since_schedule),
             sampling_req_ids=frozenset(sampling),
             all_decode=all_decode,
+            num_draft_tokens=drafts,
         )
         self._next_step_id += 1
         self._finished_since_schedule.clear()
@@ -221,6 +242,8 @@ class Scheduler:
         # Applied in the order scheduled; from here on it is no longer in flight.
         assert self._unapplied and self._unapplied[0] is scheduled, "steps are applied in the order scheduled"
         self._unapplied.popleft()
+        if self.num_spec_tokens:
+            return self._update_spec(scheduled, output)
         tokens = output.by_request()
         deltas: list[RequestDelta] = []
         requests, sampling = self.requests, scheduled.sampling_req_ids
@@ -249,6 +272,76 @@ class Scheduler:
                 self._forget_if_done(request)
         self.num_output_tokens += len(deltas)  # one token each
         return deltas
+
+    # -- speculative decoding (docs/spec-decode.md §3, §5) ------------------------------------------
+
+    def _spec_row(self, request: Request, most: int, done: list[Request]) -> int:
+        """Tokens a decode row of `request` computes this step (1 + drafts; 0: not scheduled), at most
+        `most`; advances its computed tokens and placeholders by as many, as if every draft is accepted.
+
+        The host knows only bounds while rows are in flight: at least one token each (S rows), at most
+        its placeholders (U = outputs + placeholders, the most the device may hold).
+        """
+        outputs = len(request.output_token_ids)
+        if outputs + request.num_sampling_in_flight >= request.max_outputs:
+            # Its rows in flight surely reach max_tokens / max_model_len (each gives a token).
+            if self._early_release:
+                done.append(request)
+            return 0
+        held = outputs + request.num_output_placeholders  # U
+        room = self.config.max_model_len - request.num_prompt_tokens
+        if held >= room:  # the next input may lie past max_model_len: wait for the reconcile
+            return 0
+        if request.speculating and held + self.num_spec_tokens > room - 1:
+            # For good: U falls back at each rejection, and a rule on U alone would flip the request
+            # between spec and plain rows.
+            request.speculating = False
+        n = min(most, 1 + self.num_spec_tokens) if request.speculating else min(most, 1)
+        if n <= 0:
+            return 0
+        request.num_computed_tokens += n
+        request.num_output_placeholders += n
+        return n
+
+    def _update_spec(self, scheduled: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestDelta]:
+        """`update_from_output` for speculative steps: each sampling row gives its run (accepted drafts,
+        then one more); the rejected drafts' placeholders and computed tokens are taken back, the run
+        is appended token by token with the stop check after each, and the tokens after a stop are
+        dropped (never emitted)."""
+        runs = output.runs_by_request()
+        deltas: list[RequestDelta] = []
+        sampling, drafted = scheduled.sampling_req_ids, scheduled.num_draft_tokens
+        for req_id in scheduled.num_scheduled_tokens:
+            request = self.requests[req_id]
+            if req_id in sampling:
+                run, reserved = runs[req_id], drafted.get(req_id, 0)
+                request.num_sampling_in_flight -= 1
+                request.num_output_placeholders -= 1 + reserved
+                assert request.num_output_placeholders >= 0, (req_id, request.num_output_placeholders)
+                request.num_computed_tokens -= reserved - (len(run) - 1)  # the rejected drafts
+                self.num_accepted_tokens += len(run) - 1
+                if not request.is_finished:
+                    deltas.append(self._append_run(request, run))
+            if request.is_finished:
+                self._forget_if_done(request)
+        self.num_output_tokens += sum(len(d.new_token_ids) for d in deltas)
+        return deltas
+
+    def _append_run(self, request: Request, run: list[int]) -> RequestDelta:
+        outputs = request.output_token_ids
+        for i, token in enumerate(run):
+            outputs.append(token)
+            if token in request.stop_token_set:
+                reason = FinishReason.STOP
+            elif len(outputs) >= request.max_outputs:
+                reason = FinishReason.LENGTH
+            else:
+                continue
+            # A stop inside an accepted run ends the request exactly there.
+            request.num_computed_tokens -= len(run) - 1 - i
+            self._finish(request, reason)
+            return RequestDelta(request.request_id, run[: i + 1], reason.value)
+        return RequestDelta(request.request_id, list(run))
 
     def _release_slot(self, request: Request) -> None:
         """The relay's early release: the slot goes back, the request stays unfinished (its last token,

@@ -152,6 +152,7 @@ def test_every_generate_flag_in_help_is_accepted(tmp_path, capsys):
         "--device-timeout-s": ["60"],
         "--device-startup-timeout-s": ["300"],
         "--trace": [str(trace)],
+        "--speculative-config": ['{"method": "ngram", "num_speculative_tokens": 2}'],
         "--stats": [str(stats)],
         "--no-progress": [],
     }

@@ -14,6 +14,7 @@ each example leaves it idle, and only a dead or tainted one is replaced.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import threading
@@ -98,15 +99,18 @@ def reference() -> Reference:
     return _REFERENCE
 
 
-def _new_engine(device: str) -> tuple[LLM, Spy, set[threading.Thread]]:
+def _new_engine(key: str) -> tuple[LLM, Spy, set[threading.Thread]]:
+    """The engine of `key` (a device, or a name whose ENGINE_EXTRA names its device)."""
     before = set(threading.enumerate())
+    extra = dict(ENGINE_EXTRA[key])
+    device = extra.pop("device", key)
     llm = LLM(
         "tiny-llama",
         device=device,
         async_scheduling=True,
         runtime_factory=faulty_runtime,  # the inject_failure rule's seam
         **SMALL_ENGINE,
-        **ENGINE_EXTRA[device],
+        **extra,
         **({} if TRACE_DIR is None else {"trace_path": f"{TRACE_DIR}/{device}-engine{next(_TRACES)}.ndjson"}),
     )
     COVERAGE["engines started"] += 1
@@ -482,16 +486,37 @@ class EngineInProcess(EngineVsReference):
     FAULT_PERCENT = 25
 
 
+class EngineWithSpeculation(EngineVsReference):
+    """n-gram speculation (k = 3) on the device process. Greedy requests only: with speculation a
+    sampled request draws from the target's distribution, not the reference's tokens
+    (docs/spec-decode.md §8); greedy ones must give the reference's tokens exactly."""
+
+    DEVICE = "cpu-spec"  # an engine key (ENGINE_EXTRA): the device process, with speculation
+    FAULT_PERCENT = 0  # the fault seam fails the plain step program, which a spec engine does not run
+
+    def _add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        greedy = dataclasses.replace(params, temperature=0.0, seed=None)
+        rid = super()._add(prompt, greedy, request_id)
+        # A row scheduled while earlier rows' drafts are in flight may verify drafts past max_tokens
+        # (docs/spec-decode.md §5): computed and written into the worker's batch, never emitted. What
+        # the worker may hold is the greedy continuation up to max_model_len; what the client sees
+        # stays `expected`.
+        to_the_limit = dataclasses.replace(greedy, max_tokens=MAX_MODEL_LEN - len(prompt))
+        self.tracked[rid].full = reference().full(prompt, to_the_limit, self.tracked[rid].seed)
+        return rid
+
+
 # The in-process engine also runs under back-pressure: with a runtime queue of one program, every
 # enqueue of the two-deep pipeline waits for the device. The device-process engine runs with the relay
 # (the default), the in-process one without it (the design's breaks, rebuilds and remaps).
 ENGINE_EXTRA: dict[str, dict] = {
     "cpu": {"async_relay": True},
     "cpu-inprocess": {"runtime_queue_depth": 1, "async_relay": False},
+    "cpu-spec": {"device": "cpu", "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
 }
 
 
-_SHARE = {"cpu": 0.5, "cpu-inprocess": 0.5}  # of the profile's max_examples
+_SHARE = {"cpu": 0.5, "cpu-inprocess": 0.5, "cpu-spec": 0.25}  # of the profile's max_examples
 
 
 def _settings(device: str) -> settings:
@@ -502,6 +527,8 @@ TestEngineOnDeviceProcess = EngineOnDeviceProcess.TestCase
 TestEngineOnDeviceProcess.settings = _settings("cpu")
 TestEngineInProcess = EngineInProcess.TestCase
 TestEngineInProcess.settings = _settings("cpu-inprocess")
+TestEngineWithSpeculation = EngineWithSpeculation.TestCase
+TestEngineWithSpeculation.settings = _settings("cpu-spec")
 
 
 def test_stateful_runs_reach_every_path_state_and_fault():

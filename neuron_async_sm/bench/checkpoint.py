@@ -57,17 +57,27 @@ def hf_config(config: LlamaConfig) -> dict:
     }
 
 
-def write_checkpoint(directory: str | Path, config: LlamaConfig | dict = TINY_LLAMA_CONFIG, seed: int = 0) -> Path:
+def write_checkpoint(
+    directory: str | Path, config: LlamaConfig | dict = TINY_LLAMA_CONFIG, seed: int = 0, layer_scale: float = 1.0
+) -> Path:
     """config.json + model.safetensors holding the random weights `tiny-llama` builds from `seed`.
 
     `config`: a LlamaConfig (written as `hf_config` spells it), or a raw config.json dict, any fields
     as Hugging Face spells them (rope scaling, legacy keys); the weights then follow the config as
-    our loader reads it back.
+    our loader reads it back. `layer_scale` multiplies every layer's o_proj and down_proj: below 1
+    the layers add less to the residual stream, so the next token depends mostly on the current one
+    (near a bigram model, whose greedy output soon repeats a cycle: n-gram drafts are then accepted),
+    while attention over the context still moves the logits.
     """
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     raw = hf_config(config) if isinstance(config, LlamaConfig) else config
     (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
     model = config if isinstance(config, LlamaConfig) else load_model_config(str(path))
-    save_file(random_state_dict(model, seed), str(path / "model.safetensors"))
+    weights = random_state_dict(model, seed)
+    if layer_scale != 1.0:
+        for name in weights:
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                weights[name] = weights[name] * layer_scale
+    save_file(weights, str(path / "model.safetensors"))
     return path

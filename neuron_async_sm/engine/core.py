@@ -34,12 +34,14 @@ from neuron_async_sm.model.config import model_directory
 from neuron_async_sm.model.loader import checkpoint_path
 from neuron_async_sm.model.parallel import TensorParallelGroup, build_sharded_step_program, check_divisible
 from neuron_async_sm.model.program import RelayPad
+from neuron_async_sm.model.spec_decode import SpecStepProgram
 from neuron_async_sm.outputs import ModelRunnerOutput, RequestDelta, SchedulerOutput
 from neuron_async_sm.request import Request
 from neuron_async_sm.runtime import RuntimeFactory, create_runtime
 from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
 from neuron_async_sm.scheduler import Scheduler
 from neuron_async_sm.trace import Tracer
+from neuron_async_sm.worker.drafts import SPEC_STEP_PROGRAM
 from neuron_async_sm.worker.model_input import logits_dtype
 from neuron_async_sm.worker.model_runner import (
     LOGITS_PROGRAM,
@@ -78,21 +80,27 @@ class StepProgramFactory:
     With a tensor-parallel `group`, the program is that rank's shard, and building it joins the group.
     """
 
-    def __init__(self, spec: ModelSpec, relay_width: int, group: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self, spec: ModelSpec, relay_width: int, group: TensorParallelGroup | None = None, spec_width: int = 0
+    ) -> None:
         self.spec = spec
         self.relay_width = relay_width  # rows the relay pads the previous output to (compiling devices)
         self.group = group
+        self.spec_width = spec_width  # 1 + k with speculative decoding; 0: none
 
     def __call__(self, device: torch.device) -> dict:
         if self.group is None:
             program = build_step_program(self.spec, device)
         else:
             program = build_sharded_step_program(self.spec, self.group, device)
-        return {
+        programs = {
             STEP_PROGRAM: program,
             LOGITS_PROGRAM: LogitsProgram(program),
             RELAY_PAD_PROGRAM: RelayPad(self.relay_width, device),
         }
+        if self.spec_width:
+            programs[SPEC_STEP_PROGRAM] = SpecStepProgram(program, self.spec_width)
+        return programs
 
 
 class LogitsProgram:
@@ -135,10 +143,11 @@ class EngineCore:
         self.config = config = check_before_device_start(config, self.model_config)
         self.tracer = Tracer(config.trace_path)
         spec = model_spec(config)
+        spec_width = 0 if config.speculative_config is None else config.speculative_config.width
         # One runtime per tensor-parallel rank; the output rank's is `runtime`, its runner `runner`.
         self.runtimes = start_ranks(
             config,
-            lambda group: StepProgramFactory(spec, relay_width(config), group),
+            lambda group: StepProgramFactory(spec, relay_width(config), group, spec_width),
             warmup=warmup_calls(config, self.model_config.vocab_size),  # compiling devices only
             runtime_factory=runtime_factory,
         )
@@ -324,6 +333,13 @@ class EngineCore:
         }
         if self.config.async_scheduling:
             stats.update(self.runner.machine.counters())
+        if self.config.speculative_config is not None:  # vLLM's spec_decode metrics
+            scheduler = self.scheduler
+            stats["spec_decode"] = {
+                "num_spec_rows": self.runner.num_spec_rows,
+                "num_draft_tokens": self.runner.num_draft_tokens,
+                "num_accepted_tokens": scheduler.num_accepted_tokens,
+            }
         # Programs compiled since warm-up (or the compiled programs' start-up): 0 unless it missed a shape.
         if self.runtime.compiles_per_shape or not self.config.enforce_eager:
             stats["compilations"] = self.runtime.stats().compilations

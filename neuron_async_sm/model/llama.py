@@ -172,17 +172,30 @@ class LlamaModel:
         """Writes the batch's K/V into `cache`; returns logits `[B, vocab]` of each row's last valid token."""
         if isinstance(batch, PackedBatch):
             return self._forward_packed(batch, cache)
+        hidden = self.hidden_states(batch, cache)  # [B, L, hidden]
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        return self.logits_of(hidden[rows, batch.last_index])  # [B, vocab]: lm_head only on last tokens
+
+    def hidden_states(self, batch: ForwardBatch | PackedBatch, cache: KVCache) -> torch.Tensor:
+        """Writes the batch's K/V into `cache`; the last layer's output for every token, before the final
+        norm: `[B, L, hidden]`, or `[N, hidden]` for a packed batch (speculative verification reads
+        several tokens of a row, model/spec_decode.py)."""
         w = self.weights
-        hidden = F.embedding(batch.input_ids, w.embed_tokens)  # [B, L, hidden]
+        packed = isinstance(batch, PackedBatch)
+        hidden = F.embedding(batch.input_ids, w.embed_tokens)  # [B, L, hidden] or [N, hidden]
         rope = self.rope.lookup(batch.positions)
-        mask = None if self.opaque_attention else causal_mask(batch.positions, batch.context_len)  # [B, 1, L, T]
+        mask = None
+        if not packed and not self.opaque_attention:
+            mask = causal_mask(batch.positions, batch.context_len)  # [B, 1, L, T]
         for index, layer in enumerate(self.layers):
             attn_in = self._norm(hidden, layer.input_norm)
             hidden = hidden + self._attention(index, layer, attn_in, batch, rope, mask, cache)
             hidden = hidden + self._mlp(layer, self._norm(hidden, layer.post_attention_norm))
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        last = self._norm(hidden[rows, batch.last_index], w.norm)  # [B, hidden]: lm_head only on last tokens
-        return self._logits(last)
+        return hidden
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits `[..., vocab]` of last-layer hidden states `[..., hidden]`: the final norm, then lm_head."""
+        return self._logits(self._norm(hidden, self.weights.norm))
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
         """Logits `[B, vocab]` in the compute dtype of the last tokens' hidden states `[B, hidden]`."""
@@ -194,14 +207,9 @@ class LlamaModel:
         w = self.weights
         if batch.input_ids.numel() == 0:  # an all-padding step: nothing to write or attend
             return torch.zeros(batch.rows, w.lm_head.shape[0], dtype=self.compute_dtype, device=w.lm_head.device)
-        hidden = F.embedding(batch.input_ids, w.embed_tokens)  # [N, hidden]
-        rope = self.rope.lookup(batch.positions)  # [N, 1, D] each
-        for index, layer in enumerate(self.layers):
-            attn_in = self._norm(hidden, layer.input_norm)
-            hidden = hidden + self._attention(index, layer, attn_in, batch, rope, None, cache)
-            hidden = hidden + self._mlp(layer, self._norm(hidden, layer.post_attention_norm))
+        hidden = self.hidden_states(batch, cache)  # [N, hidden]
         last = hidden if batch.last_token is None else hidden[batch.last_token]  # [B, hidden]
-        return self._logits(self._norm(last, w.norm))  # [B, vocab]
+        return self.logits_of(last)  # [B, vocab]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.fused_norm and x.dtype == self.compute_dtype:  # one op, the same arithmetic

@@ -71,11 +71,19 @@ class AsyncModelRunnerOutput:
                 host = self.future.to_host()  # blocks until the program ran; re-raises its error
             if self._host_sampler is not None:
                 host = self._host_sampler(host)
-            tokens = host.tolist()[: len(snapshot.req_ids)]  # ints (an integer tensor); no torch slice
+            rows = host.tolist()[: len(snapshot.req_ids)]  # ints (an integer tensor); no torch slice
+            runs = None
+            if host.dim() == 2:  # speculative: per row its accepted drafts and one more token, then -1
+                runs = [row[: row.index(-1)] if -1 in row else row for row in rows]
+                rows = [run[0] for run in runs]
+            tokens = rows
             self._tracer.observer.write_back(snapshot, tokens)
             # Inside the lock: a thread that asks second returns only once the batch holds the tokens.
-            self._batch.write_back(snapshot, tokens)
-            self._result = ModelRunnerOutput(snapshot.step_id, list(snapshot.req_ids), tokens)
+            if runs is None:
+                self._batch.write_back(snapshot, tokens)
+            else:
+                self._batch.write_runs(snapshot, runs)
+            self._result = ModelRunnerOutput(snapshot.step_id, list(snapshot.req_ids), tokens, runs)
         except BaseException as exc:  # surfaced to every caller, never swallowed
             self._error = exc
         finally:

@@ -246,3 +246,19 @@ class InputBatch:
             # rows may have moved or left since this step was sampled.
             self.write_tokens(snapshot.req_ids, snapshot.sample_positions, tokens)
             self.last_written = WrittenTokens(snapshot, tokens)
+
+    def write_runs(self, snapshot: StepSnapshot, runs: list[list[int]]) -> None:
+        """Apply one speculative step's tokens: row i's run (accepted drafts, then one more) from
+        position `snapshot.sample_positions[i]` on, by request id as `write_back` does."""
+        with self.lock:
+            # Hazard: token ownership after condense(): by the snapshot's request ids, never by row.
+            for req_id, at, run in zip(snapshot.req_ids, snapshot.sample_positions, runs, strict=True):
+                state = self.requests.get(req_id)
+                if state is None or at is None:  # gone (token ownership), or a partial prefill
+                    continue
+                slot = state.kv_slot
+                self.token_ids[slot, at : at + len(run)] = run
+                # Drafts rejected since the last write may lie past the run: the count is the run's end.
+                self.num_tokens[slot] = at + len(run)
+            # Decode inputs never follow a speculative step's tokens (`_follows`): none kept.
+            self.last_written = None

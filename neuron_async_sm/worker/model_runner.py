@@ -27,6 +27,7 @@ from neuron_async_sm.runtime.messages import dtype_name
 from neuron_async_sm.trace import Tracer
 from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.async_output import OUTPUT_THREAD_NAME, AsyncModelRunnerOutput
+from neuron_async_sm.worker.drafts import SPEC_STEP_PROGRAM, build_spec_model_input
 from neuron_async_sm.worker.input_batch import InputBatch, StepRows
 from neuron_async_sm.worker.model_input import SAMPLED_DTYPE, ModelInput, build_model_input, logits_dtype
 
@@ -100,6 +101,8 @@ class ModelRunner:
         self._executed: ExecutedStep | None = None
         self._header_due = tracer.enabled  # the trace's header is written by the first step's thread
         self._sampled_specs: dict[int, TensorSpec] = {}  # rows -> the step program's output spec
+        self.num_draft_tokens = 0  # drafts proposed (speculative decoding)
+        self.num_spec_rows = 0  # rows that verified at least one draft
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -135,16 +138,25 @@ class ModelRunner:
             # future; materialize it into CPU state *before* the batch is updated and inputs built.
             with self.tracer.observer.span("materialize"):
                 self._materialize_pending()
+        spec = self.config.speculative_config
         with self.batch.lock:  # the output thread's write-back waits while the batch changes
-            model_input = build_model_input(
-                self.config, scheduled, self.batch, rows, cpu_ids=not self._feeds_every_id(plan.input_source)
-            )
+            if spec is not None:  # every input on the CPU: the drafts come from the host (n-gram)
+                model_input, proposed = build_spec_model_input(self.config, scheduled, self.batch, rows)
+                self.num_draft_tokens += sum(proposed)
+                self.num_spec_rows += sum(1 for n in proposed if n)
+            else:
+                model_input = build_model_input(
+                    self.config, scheduled, self.batch, rows, cpu_ids=not self._feeds_every_id(plan.input_source)
+                )
         fed, fed_rows = self._future_inputs(plan.input_source, model_input)
         if trace is not None:
             trace.relay_from = list(fed_rows) if plan.input_source is sm.InputSource.RELAYED_FUTURE else []
             trace.inputs = self._traced_inputs(plan.input_source, model_input, fed_rows)
-        num_rows = rows.shape[0]  # B
-        if self.config.on_device_sampling:
+        num_rows = rows.shape[0] if spec is None else model_input.num_rows  # B (a spec step's shape is rebuilt)
+        if spec is not None:  # accepted tokens [B, 1 + k], -1 after each row's run
+            out = TensorSpec((num_rows, spec.width), SAMPLED_DTYPE)
+            future = self.runtime.enqueue(SPEC_STEP_PROGRAM, model_input.inputs, out)
+        elif self.config.on_device_sampling:
             out = self._sampled_specs.get(num_rows)
             if out is None:  # one per bucket, kept: a TensorSpec validates itself when built
                 out = self._sampled_specs[num_rows] = TensorSpec((num_rows,), SAMPLED_DTYPE)

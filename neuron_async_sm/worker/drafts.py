@@ -1,0 +1,95 @@
+"""Speculative decoding on the worker: n-gram drafts from the host's token history, and a step's inputs.
+
+The n-gram drafter reads a request's whole history, whose newest token is in the pending step's
+output under async scheduling: a spec step's input is `[rows, L]`, which no future fits, and with
+speculation the relay is off (config.py), so every step with a pending future materializes it first
+(ShapeMismatchRebuild, or CompositionBreak). So when `build_spec_model_input` runs, the batch
+holds every accepted token, and a decode row's true start is the batch's count, not the
+scheduler's (which counted every draft in flight as accepted, docs/spec-decode.md §3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from neuron_async_sm.config import EngineConfig, SpeculativeConfig
+from neuron_async_sm.outputs import SchedulerOutput
+from neuron_async_sm.worker.input_batch import InputBatch, StepRows, padded_input_shape
+from neuron_async_sm.worker.model_input import ModelInput, build_model_input
+
+SPEC_STEP_PROGRAM = "spec_step"  # forward + verification -> accepted tokens [B, 1 + k] int32, -1 after
+
+
+def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup: the longest suffix of `tokens` (max_n..min_n long) found earlier in them; up to k
+    tokens after its latest earlier occurrence. [] when no suffix recurs."""
+    history = np.asarray(tokens, dtype=np.int64)
+    size = history.size
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        suffix = history[size - n :]
+        windows = np.lib.stride_tricks.sliding_window_view(history[: size - 1], n)  # starts 0 .. size - 1 - n
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return history[start : start + k].tolist()
+    return []
+
+
+def build_spec_model_input(
+    config: EngineConfig, scheduled: SchedulerOutput, batch: InputBatch, rows: StepRows
+) -> tuple[ModelInput, list[int]]:
+    """The spec step's inputs (`[B, L]`, every row a chunk: prompt chunks, and decode rows of their last
+    accepted token and its drafts), with `num_drafts` `[B]`; and the drafts proposed per decode row.
+
+    A decode row's budget is what the scheduler reserved for it (1 + k, or 1 once its speculation
+    is off); n-gram may find fewer drafts. The caller holds `batch.lock`; every accepted token is in
+    the batch (the plan materialized first).
+    """
+    spec = config.speculative_config
+    assert spec is not None
+    counts = dict(scheduled.num_scheduled_tokens)
+    computed = dict(scheduled.num_computed_tokens)
+    drafts: dict[str, list[int]] = {}
+    for req_id in rows.req_ids:
+        state = batch.requests.get(req_id)
+        if state is None or computed[req_id] < state.num_prompt_tokens:
+            continue  # a prompt chunk: its positions are the scheduler's, exact
+        slot = state.kv_slot
+        # Hazard: stale positions. The scheduler's count is optimistic (drafts in flight counted as
+        # accepted); the batch's count after materialization is the truth.
+        start = int(batch.num_tokens[slot]) - 1  # the last accepted token's position
+        history = batch.token_ids[slot, : start + 1]
+        drafts[req_id] = _propose(spec, history, counts[req_id] - 1)
+        counts[req_id] = 1 + len(drafts[req_id])
+        computed[req_id] = start
+    corrected = dataclasses.replace(
+        scheduled, num_scheduled_tokens=counts, num_computed_tokens=computed, all_decode=False
+    )
+    rows = dataclasses.replace(rows, shape=padded_input_shape(config, corrected))
+    model_input = build_model_input(config, corrected, batch, rows)
+    ids, output_index = model_input.tensor("input_ids"), model_input.tensor("output_index")  # [B, L], [B]
+    num_drafts = torch.zeros(model_input.num_rows, dtype=torch.int32)  # [B]
+    positions = list(model_input.sample_positions)
+    for i, req_id in enumerate(model_input.req_ids):
+        proposed = drafts.get(req_id)
+        if not proposed:
+            continue
+        n = len(proposed)
+        ids[i, 1 : 1 + n] = torch.tensor(proposed, dtype=ids.dtype)
+        num_drafts[i] = n
+        output_index[i] -= n  # the token sampled at the row's first position, x0's successor
+        positions[i] -= n  # x0's successor's position: the run is written from there
+    inputs = {**model_input.inputs, "input_ids": ids, "output_index": output_index, "num_drafts": num_drafts}
+    return dataclasses.replace(model_input, sample_positions=tuple(positions), inputs=inputs), list(
+        map(len, drafts.values())
+    )
+
+
+def _propose(spec: SpeculativeConfig, history: np.ndarray, budget: int) -> list[int]:
+    if budget <= 0:
+        return []
+    return propose_ngram(history, budget, spec.prompt_lookup_min, spec.prompt_lookup_max)
