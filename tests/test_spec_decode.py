@@ -15,7 +15,7 @@ import pytest
 import torch
 from support.workloads import drive, random_workload
 
-from neuron_async_sm import LLM, SamplingParams
+from neuron_async_sm import LLM, InvalidRequestError, SamplingParams
 from neuron_async_sm.bench.checkpoint import write_checkpoint
 from neuron_async_sm.config import ConfigError, EngineConfig
 from neuron_async_sm.model.sampler import sample_tokens
@@ -131,6 +131,16 @@ def test_speculative_config_is_parsed_and_checked_naming_the_key():
     ]:
         with pytest.raises(ConfigError, match=f"speculative_config.{key}"):
             EngineConfig(speculative_config=bad)
+
+
+def test_a_request_that_processes_logits_is_refused_under_speculation():
+    config = EngineConfig(max_model_len=32, speculative_config=ngram(2))
+    scheduler = Scheduler(config, eos_token_ids=(), vocab_size=100)
+    for field, value in [("presence_penalty", 0.5), ("min_p", 0.1), ("min_tokens", 2), ("logit_bias", {5: 1.0})]:
+        params = SamplingParams(**{field: value})
+        with pytest.raises(InvalidRequestError, match=f"^{field}: not supported with speculative decoding"):
+            scheduler.add_request(Request(field, [1, 2], params, 0, 0))
+    scheduler.add_request(Request("plain", [1, 2], SamplingParams(), 0, 0))  # nothing processed: accepted
 
 
 # -- equality with no speculation ---------------------------------------------------------------------
