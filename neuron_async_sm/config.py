@@ -147,6 +147,9 @@ class EngineConfig:
     # padded per-row prefill token lengths
     prefill_buckets: tuple[int, ...] = flag((16, 32, 64, 128, 256), "e.g. 16,32,64,128,256")
     seed: int = flag(0, "tiny-llama weights; seeds of unseeded requests")
+    # The most top tokens a request's logprobs / prompt_logprobs may ask for (vLLM's --max-logprobs;
+    # its -1, the whole vocabulary, is not offered: the top-N are computed on the device every step).
+    max_logprobs: int = flag(20, "the most logprobs (top tokens per position) a request may ask for")
     # unfinished programs on the device before enqueue blocks (Neuron worker default)
     runtime_queue_depth: int = flag(32, "programs in flight")
     # emulated accelerator: hold each program at least this long
@@ -193,6 +196,8 @@ class EngineConfig:
             _positive_number("kv_cache_memory_gb", self.kv_cache_memory_gb)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("runtime_queue_depth", self.runtime_queue_depth)
+        if not is_int(self.max_logprobs) or self.max_logprobs < 0:
+            raise ConfigError(f"max_logprobs: must be an integer >= 0, got {self.max_logprobs!r}")
         _positive("device_threads", self.device_threads)
         if self.device_cpu is not None:
             _device_cpu(self.device_cpu, self.device)

@@ -65,6 +65,25 @@ class StepSnapshot:
     sample_positions: tuple[int | None, ...]  # token position each row samples; None: partial prefill
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log-probabilities at one position (vLLM's raw logprobs, see model/logprobs.py): the chosen
+    token's (the sampled one, or the prompt's), its rank (1: the most likely), and the top tokens."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: tuple[int, ...]  # the most likely first, as many as the request asked for
+    top_logprobs: tuple[float, ...]
+
+    def as_dict(self) -> dict[int, float]:
+        """vLLM's order: the chosen token first, then the top ones (a token in both keeps its first place)."""
+        out = {self.token_id: self.logprob}
+        for token, logprob in zip(self.top_ids, self.top_logprobs, strict=True):
+            out.setdefault(token, logprob)
+        return out
+
+
 @dataclass(frozen=True)
 class ModelRunnerOutput:
     """Sampled tokens of one step, keyed by the request ids snapshotted when the step was sampled."""
@@ -75,6 +94,11 @@ class ModelRunnerOutput:
     # Speculative decoding: row i's tokens, its accepted drafts then one more ([1 + a_i] each);
     # sampled_token_ids[i] is the first of them. None: one token per row.
     spec_token_ids: list[list[int]] | None = None
+    # Only when a row of the step asked for them (None otherwise), per row: the sampled token's
+    # logprobs (None: the row did not ask, or samples nothing), and the prompt logprobs of the row's
+    # chunk, of the prompt tokens after its positions (None: the row did not ask).
+    logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
 
     def by_request(self) -> dict[str, int]:
         return dict(zip(self.req_ids, self.sampled_token_ids, strict=True))
@@ -96,6 +120,9 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     index: int = 0  # which of its prompt's n sequences (SamplingParams.n) this is
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, when the request asked
+    # one per prompt token when the request asked; the first is None (nothing comes before it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def to_json(self) -> dict:
         return {
@@ -118,3 +145,6 @@ class RequestDelta:
     new_token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+    # the whole prompt's, on the request's first delta with a token, when it asked (first entry None)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -58,6 +58,8 @@ class Request:
     # least one token), and whether it may still speculate (off for good near max_model_len).
     num_sampling_in_flight: int = field(default=0, init=False, repr=False)
     speculating: bool = field(default=True, init=False, repr=False)
+    # Prompt logprobs gathered chunk by chunk until the first output token carries them (None: none yet).
+    prompt_logprobs: list | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)

@@ -44,6 +44,10 @@ class SamplingParams:
     min_tokens: int = 0  # no stop token (EOS, stop_token_ids) before this many outputs
     # token id -> bias added to its logit; kept as (token, bias) pairs in token order (hashable)
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    # Logprobs (vLLM's meaning): None, none; N >= 0, each sampled token's logprob and the N most likely
+    # tokens' (-1: the whole vocabulary). The engine caps N at EngineConfig.max_logprobs.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first (its entry is None)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
@@ -65,6 +69,12 @@ class SamplingParams:
             raise InvalidRequestError(f"seed: must be an integer in [0, 2**63), got {self.seed!r}")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids: must be non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < -1):
+                raise InvalidRequestError(
+                    f"{name}: must be an integer >= 0, or -1 (the whole vocabulary), got {value!r}"
+                )
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos: must be true or false, got {self.ignore_eos!r}")
         if not is_int(self.n) or self.n < 1:

@@ -21,11 +21,13 @@ counts each in-flight sampled token as an output *placeholder*:
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 from neuron_async_sm.config import EngineConfig
-from neuron_async_sm.outputs import ModelRunnerOutput, NewRequestData, RequestDelta, SchedulerOutput
+from neuron_async_sm.model.logprobs import MAX_VOCAB
+from neuron_async_sm.outputs import ModelRunnerOutput, NewRequestData, RequestDelta, SchedulerOutput, TokenLogprobs
 from neuron_async_sm.request import FinishReason, Request, RequestStatus
-from neuron_async_sm.sampling_params import InvalidRequestError
+from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
 from neuron_async_sm.values import is_int
 
 # Logits processing (model/logits_processors.py) and each parameter's "off" value: speculative
@@ -87,7 +89,7 @@ class Scheduler:
                 f"prompt_token_ids: a prompt of {len(prompt)} tokens leaves no room for output under "
                 f"max_model_len={self.config.max_model_len}"
             )
-        params = request.sampling_params
+        params = request.sampling_params = self._resolve_logprobs(request.sampling_params)
         outside = [token for token, _ in params.logit_bias if token >= self.vocab_size]
         if outside:
             raise InvalidRequestError(
@@ -104,6 +106,29 @@ class Scheduler:
         request.max_computed_tokens = len(prompt) + request.max_outputs - 1
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def _resolve_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """`params` with -1 logprobs (the whole vocabulary) as a count; InvalidRequestError naming the
+        field when a count is above max_logprobs."""
+        if params.logprobs is None and params.prompt_logprobs is None:
+            return params
+        if self.num_spec_tokens:
+            name = "logprobs" if params.logprobs is not None else "prompt_logprobs"
+            raise InvalidRequestError(f"{name}: not supported with speculative decoding yet")
+        limit = self.config.max_logprobs
+        counts = {}
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            count = self.vocab_size if value == -1 else value
+            if count is not None and count > limit:
+                raise InvalidRequestError(
+                    f"{name}: asks for {count} logprobs per position, more than max_logprobs={limit} "
+                    "(the engine's --max-logprobs)"
+                )
+            counts[name] = count
+        if self.vocab_size > MAX_VOCAB:
+            raise InvalidRequestError(f"logprobs: not available for a vocabulary of more than {MAX_VOCAB} tokens")
+        return replace(params, **counts)
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
         """Finish a request as aborted. Tokens of its steps still in flight are discarded."""
@@ -262,6 +287,8 @@ class Scheduler:
             return self._update_spec(scheduled, output)
         tokens = output.by_request()
         deltas: list[RequestDelta] = []
+        # Only a step where a row asked for logprobs pays for them (None otherwise).
+        asked = None if output.logprobs is None and output.prompt_logprobs is None else self._logprobs(output)
         requests, sampling = self.requests, scheduled.sampling_req_ids
         finished = RequestStatus.FINISHED
         append_delta = deltas.append
@@ -287,6 +314,11 @@ class Scheduler:
             if request.status is finished:
                 self._forget_if_done(request)
         self.num_output_tokens += len(deltas)  # one token each
+        if asked:
+            for delta in deltas:
+                found = asked.get(delta.request_id)
+                if found is not None:
+                    delta.logprobs, delta.prompt_logprobs = found
         return deltas
 
     # -- speculative decoding (docs/spec-decode.md §3, §5) ------------------------------------------
@@ -358,6 +390,27 @@ class Scheduler:
             self._finish(request, reason)
             return RequestDelta(request.request_id, run[: i + 1], reason.value)
         return RequestDelta(request.request_id, list(run))
+
+    def _logprobs(self, output: ModelRunnerOutput) -> dict[str, tuple[list[TokenLogprobs] | None, list | None]]:
+        """Before a step is applied: each prompt chunk's logprobs added to its request's, and per request
+        that samples a token with logprobs asked, what its delta carries (the token's logprobs; the
+        whole prompt's on its first token)."""
+        found: dict[str, tuple[list[TokenLogprobs] | None, list | None]] = {}
+        requests = self.requests
+        sample = output.logprobs or [None] * len(output.req_ids)
+        chunks = output.prompt_logprobs or [None] * len(output.req_ids)
+        for req_id, logprobs, chunk in zip(output.req_ids, sample, chunks, strict=True):
+            request = requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if chunk is not None:
+                if request.prompt_logprobs is None:
+                    request.prompt_logprobs = [None]  # the first prompt token has nothing before it
+                request.prompt_logprobs.extend(chunk)
+            prompt = request.prompt_logprobs if not request.output_token_ids else None  # before its first token
+            if logprobs is not None or prompt is not None:
+                found[req_id] = ([logprobs] if logprobs is not None else None, prompt)
+        return found
 
     def _release_slot(self, request: Request) -> None:
         """The relay's early release: the slot goes back, the request stays unfinished (its last token,

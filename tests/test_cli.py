@@ -147,6 +147,7 @@ def test_every_generate_flag_in_help_is_accepted(tmp_path, capsys):
         "--decode-buckets": ["1,2,4,8"],
         "--prefill-buckets": ["16,32"],
         "--seed": ["3"],
+        "--max-logprobs": ["5"],
         "--runtime-queue-depth": ["4"],
         "--device-time-ms": ["1"],
         "--device-timeout-s": ["60"],

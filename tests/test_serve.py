@@ -199,8 +199,7 @@ def _error(exc: openai.APIStatusError) -> dict:
         (dict(prompt=" ".join(["w5"] * 96)), "prompt"),  # no room for output under max_model_len
         (dict(prompt="w5", max_tokens=200), "max_tokens"),  # prompt + max_tokens over max_model_len
         (dict(prompt=[5, 64]), "prompt"),  # a token id outside the vocabulary (the scheduler's check)
-        (dict(prompt="w5", logprobs=2), "logprobs"),
-        (dict(prompt="w5", echo=True), "echo"),
+        (dict(prompt="w5", logprobs=21), "logprobs"),  # over --max-logprobs (20)
         (dict(prompt="w5", stream_options={"include_usage": True}), "stream_options"),  # without stream=true
         (dict(prompt="w5", extra_body={"top_k": -2}), "top_k"),  # -1 is off (vLLM's), below is an error
         (dict(prompt="w5", presence_penalty=2.5), "presence_penalty"),

@@ -33,6 +33,7 @@ class Param:
     check: Callable[[Call, dict], None] | None = None  # HONOURED: (call, greedy answer) -> asserts its effect
     endpoints: tuple[str, ...] = BOTH
     chat_value: object = None  # REFUSED on chat, when its value differs
+    chat_refused: bool = False  # honoured on completions, REFUSED (with `value`) on chat
 
 
 def tokens(answer: dict) -> list[list[int]]:
@@ -117,6 +118,26 @@ def _min_tokens(call: Call, greedy: dict) -> None:
     assert held["usage"]["completion_tokens"] >= stopped + 2 and EOS not in tokens(held)[0][: stopped + 2]
 
 
+def _echo(call: Call, greedy: dict) -> None:
+    assert text(call(echo=True)) == "w12 w13 w14 w15" + text(greedy)  # the prompt as written, then the output
+
+
+def _logprobs(call: Call, greedy: dict) -> None:
+    """Each output token's logprob (tests/test_serve_logprobs.py checks the values against transformers)."""
+    if "message" in greedy["choices"][0]:  # chat: logprobs=true
+        content = call(logprobs=True)["choices"][0]["logprobs"]["content"]
+        assert len(content) == 4 and all(e["logprob"] <= 0 and e["top_logprobs"] == [] for e in content)
+        return
+    logprobs = call(logprobs=2)["choices"][0]["logprobs"]
+    assert len(logprobs["token_logprobs"]) == 4 and all(lp <= 0 for lp in logprobs["token_logprobs"])
+    assert all(1 <= len(top) <= 3 for top in logprobs["top_logprobs"])  # the chosen token and the top 2
+
+
+def _top_logprobs(call: Call, greedy: dict) -> None:
+    content = call(logprobs=True, top_logprobs=2)["choices"][0]["logprobs"]["content"]
+    assert [len(e["top_logprobs"]) for e in content] == [2] * 4
+
+
 def _add_special_tokens(call: Call, greedy: dict, *, chat: bool = False) -> None:
     flipped = call(add_special_tokens=chat)  # completions: off (its default is on); chat: on
     assert flipped["usage"]["prompt_tokens"] == greedy["usage"]["prompt_tokens"] + (1 if chat else -1)
@@ -149,9 +170,9 @@ PARAMETERS: dict[str, Param] = {
     "stream": Param(HONOURED, check=_stream),
     "stream_options": Param(HONOURED, check=_stream_options),
     "user": Param(ACCEPTED),  # as vLLM: an end-user id for the operator's own records
-    "echo": Param(REFUSED, True),  # the logprobs helper's
-    "logprobs": Param(REFUSED, 1, chat_value=True),
-    "top_logprobs": Param(REFUSED, 2, endpoints=("chat",)),
+    "echo": Param(HONOURED, True, check=_echo, chat_refused=True),  # chat's echo is vLLM's own: refused
+    "logprobs": Param(HONOURED, check=_logprobs),
+    "top_logprobs": Param(HONOURED, check=_top_logprobs, endpoints=("chat",)),
     "frequency_penalty": Param(HONOURED, check=lambda call, greedy: _penalty(call, frequency_penalty=2.0)),
     "presence_penalty": Param(HONOURED, check=lambda call, greedy: _penalty(call, presence_penalty=2.0)),
     "logit_bias": Param(HONOURED, check=_logit_bias),
@@ -330,7 +351,7 @@ def test_every_parameter_is_honoured_or_refused_by_name(server, endpoint):
         if endpoint not in param.endpoints:
             continue
         try:
-            if param.status == REFUSED:
+            if param.status == REFUSED or (endpoint == "chat" and param.chat_refused):
                 value = param.chat_value if endpoint == "chat" and param.chat_value is not None else param.value
                 status, answer = server.post(path, {**request, name: value})
                 assert status == 400 and answer["error"]["param"] == name, answer

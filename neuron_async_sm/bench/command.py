@@ -93,6 +93,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "process, xla: PJRT's native threads (Python's threads get the other CPUs)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logprobs", type=int, default=None, metavar="N", help="every request asks for N logprobs")
     p.add_argument(
         "--async-relay",
         action=argparse.BooleanOptionalAction,
@@ -219,7 +220,7 @@ def _compare_section(args: argparse.Namespace, show: bool) -> dict:
         seed=args.seed,
         vocab_size=vocab_size,
         penalties=args.penalties,
-    )
+    ).with_logprobs(args.logprobs)
     emulated = args.device == "cpu"  # the device process: pinning and its torch threads apply
     # xla (PJRT's CPU client here) computes in this process: its native threads get the device's CPU
     # (measured: docs/backends.md, "Where the CPU client computes"); a real accelerator needs no pinning.

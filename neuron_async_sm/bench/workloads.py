@@ -46,6 +46,16 @@ class Workload:
     def max_output_tokens(self) -> int:
         return sum(r.sampling_params.max_tokens for r in self.requests)
 
+    def with_logprobs(self, logprobs: int | None) -> Workload:
+        """The same requests, each asking for `logprobs` top tokens per output token (None: as they are)."""
+        if logprobs is None:
+            return self
+        requests = tuple(
+            dataclasses.replace(r, sampling_params=dataclasses.replace(r.sampling_params, logprobs=logprobs))
+            for r in self.requests
+        )
+        return Workload(self.name, requests)
+
     def tagged(self, tag: str) -> list[PromptRequest]:
         """The requests with ids prefixed by `tag` (an engine may not see one id twice at once)."""
         return [

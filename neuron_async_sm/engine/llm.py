@@ -189,6 +189,7 @@ class LLM:
             for delta in self.stream(accepted):
                 result = results[delta.request_id]
                 result.output_token_ids.extend(delta.output_token_ids)
+                _add_logprobs(result, delta)
                 if not delta.finished:
                     continue
                 result.finished, result.finish_reason, result.error = True, delta.finish_reason, delta.error
@@ -270,7 +271,19 @@ def _to_output(delta: RequestDelta, request: PromptRequest | None) -> RequestOut
         delta.finish_reason,
         delta.error,
         index=request.index if request is not None else 0,
+        logprobs=delta.logprobs,
+        prompt_logprobs=delta.prompt_logprobs,
     )
+
+
+def _add_logprobs(result: RequestOutput, delta: RequestOutput) -> None:
+    """A streamed piece's logprobs added to the request's whole result."""
+    if delta.prompt_logprobs is not None:
+        result.prompt_logprobs = delta.prompt_logprobs
+    if delta.logprobs is not None:
+        if result.logprobs is None:
+            result.logprobs = []
+        result.logprobs.extend(delta.logprobs)
 
 
 def _progress(total: int):

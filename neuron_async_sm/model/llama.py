@@ -176,6 +176,22 @@ class LlamaModel:
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return self.logits_of(hidden[rows, batch.last_index])  # [B, vocab]: lm_head only on last tokens
 
+    def forward_every_token(
+        self, batch: ForwardBatch | PackedBatch, cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and the logits of every token too (prompt logprobs): (`[B, vocab]` as `forward`
+        gives them, `[B, L, vocab]` padded or `[N, vocab]` packed). The last tokens' logits go through
+        the same ops as in `forward`, so a row samples the same token whether or not it asks for these."""
+        if isinstance(batch, PackedBatch) and batch.input_ids.numel() == 0:
+            empty = self._forward_packed(batch, cache)
+            return empty, empty[:0]
+        hidden = self.hidden_states(batch, cache)  # [B, L, hidden] or [N, hidden]
+        if isinstance(batch, PackedBatch):
+            last = hidden if batch.last_token is None else hidden[batch.last_token]
+        else:
+            last = hidden[torch.arange(hidden.shape[0], device=hidden.device), batch.last_index]
+        return self.logits_of(last), self.logits_of(hidden)
+
     def hidden_states(self, batch: ForwardBatch | PackedBatch, cache: KVCache) -> torch.Tensor:
         """Writes the batch's K/V into `cache`; the last layer's output for every token, before the final
         norm: `[B, L, hidden]`, or `[N, hidden]` for a packed batch (speculative verification reads

@@ -143,10 +143,17 @@ class ShardedLlamaModel(LlamaModel):
         self.vocab_size = config.vocab_size
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        local = super().forward(batch, cache)  # [B, vocab / world]: this rank's slice of the vocabulary
+        return self._gather(super().forward(batch, cache))
+
+    def forward_every_token(self, batch: ForwardBatch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        last, every = super().forward_every_token(batch, cache)
+        return self._gather(last), self._gather(every)
+
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        """`[..., vocab / world]`, this rank's slice of the vocabulary, -> `[..., vocab]` on every rank."""
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, local.contiguous())
-        return torch.cat(parts, dim=-1)[:, : self.vocab_size]  # [B, vocab]: the padding rows' logits dropped
+        return torch.cat(parts, dim=-1)[..., : self.vocab_size]  # the padding columns' logits dropped
 
     def _attention(self, *args, **kwargs) -> torch.Tensor:
         out = super()._attention(*args, **kwargs)  # partial sum over this rank's heads

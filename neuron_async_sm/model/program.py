@@ -23,6 +23,7 @@ from neuron_async_sm.model.logits_processors import (
     process_logits,
     tokens_so_far,
 )
+from neuron_async_sm.model.logprobs import block_width, pack_output, position_logprobs
 from neuron_async_sm.model.packed import PackedBatch, pack_step
 from neuron_async_sm.model.sampler import sample_tokens
 from neuron_async_sm.model.spec import ModelSpec
@@ -98,16 +99,29 @@ class StepProgram:
         output_index: torch.Tensor,
         relay_tokens: torch.Tensor | None = None,
         relay_rows: torch.Tensor | None = None,
+        sample_logprobs: torch.Tensor | None = None,
+        prompt_logprobs: torch.Tensor | None = None,
+        prompt_targets: torch.Tensor | None = None,
         **processing: torch.Tensor,
     ) -> torch.Tensor:
-        """Sampled token ids, int32 `[B]`.
+        """Sampled token ids, int32 `[B]`; with logprobs asked, int32 `[B, 1 + width]`, the tokens in
+        column 0 (`model/logprobs.py`).
 
         The nine step inputs are declared in `model/inputs.py` (`STEP_INPUTS`: dtypes, shapes,
         padding). relay_tokens: integer `[P]`, the previous step's sampled tokens (a future);
-        relay_rows: int32 `[B]`, a row of relay_tokens or -1. `processing`: the logits-processing
-        inputs (`model/logits_processors.py`), all or none; a step with them writes its input ids
-        into the token history and processes its logits before sampling.
+        relay_rows: int32 `[B]`, a row of relay_tokens or -1. A future fed as input_ids or
+        relay_tokens may be a packed output `[P, 1 + width]`: its column 0 is the tokens.
+        Logprobs (host inputs, int32 `[1]`): sample_logprobs, the top tokens per sampled token;
+        prompt_logprobs, the top tokens per prompt position, with prompt_targets int32 `[B, L]`, the
+        prompt token after each position (what its logprob is of; 0 where the row has none).
+        `processing`: the logits-processing inputs (`model/logits_processors.py`), all or none; a
+        step with them writes its input ids into the token history and processes its logits before
+        sampling (the logprobs are of the logits before it, vLLM's raw logprobs).
         """
+        if positions.dim() == 1 and input_ids.dim() == 2:  # a decode step fed a packed output
+            input_ids = input_ids[:, 0]
+        if relay_tokens is not None and relay_tokens.dim() == 2:
+            relay_tokens = relay_tokens[:, 0]
         with self._no_autograd():
             batch = self._prepare(input_ids, positions, query_lens, slot_ids, relay_tokens, relay_rows)
             dev = self.device
@@ -119,7 +133,12 @@ class StepProgram:
                 # output rank's, broadcast), so the in-flight token is counted and ranks agree. A
                 # penalized request is in every step that computes its tokens: its history is whole.
                 self._write_history(batch)
-            logits = self._forward(batch)  # [B, vocab]
+            every = None  # logits of every token: only a step with prompt logprobs computes them
+            if prompt_logprobs is None:
+                logits = self._forward(batch)  # [B, vocab]
+            else:
+                logits, every = self.model.forward_every_token(batch, self.kv_cache)
+            raw = logits  # what logprobs are taken from (vLLM's raw_logprobs): before any processing
             if processed is not None:
                 num_computed = tokens_so_far(positions.numpy(), query_lens.numpy())  # [B]
                 length = self.spec.max_model_len if self.fixed_context else max(int(num_computed.max()), 1)
@@ -140,9 +159,42 @@ class StepProgram:
                 output_index=output_index.to(dev),
                 min_p=None if processed is None or "min_p" not in parts else processed["min_p"],
             )
-            if self.packed and query_lens.numpy().min() > 0:  # no padding row: nothing to zero
+            if not self.packed or query_lens.numpy().min() == 0:  # padding rows return token 0
+                tokens = tokens.masked_fill(query_lens.to(dev) == 0, 0)
+            if sample_logprobs is None and prompt_logprobs is None:
                 return tokens.to(torch.int32)
-            return tokens.masked_fill(query_lens.to(dev) == 0, 0).to(torch.int32)
+            lens = query_lens
+            return self._with_logprobs(tokens, raw, every, lens, sample_logprobs, prompt_logprobs, prompt_targets)
+
+    def _with_logprobs(
+        self,
+        tokens: torch.Tensor,
+        logits: torch.Tensor,
+        every: torch.Tensor | None,
+        query_lens: torch.Tensor,
+        sample_logprobs: torch.Tensor | None,
+        prompt_logprobs: torch.Tensor | None,
+        prompt_targets: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The packed output: tokens `[B]`, then the sampled tokens' block `[B, w]` (logits `[B, vocab]`),
+        then the prompt positions' blocks `[B, L, w]` (`every`: logits `[B, L, vocab]`, or packed
+        `[N, vocab]`, the real tokens row by row). The counts are host values: no device sync."""
+        blocks = []
+        if sample_logprobs is not None:
+            blocks.append(position_logprobs(logits, tokens, int(sample_logprobs[0])))
+        if prompt_logprobs is not None:
+            assert every is not None and prompt_targets is not None, "prompt_logprobs come with their targets"
+            top, (rows, length) = int(prompt_logprobs[0]), prompt_targets.shape
+            targets = prompt_targets.to(self.device).long().reshape(-1)  # [B * L]
+            if every.dim() == 3:  # padded: every position has logits
+                block = position_logprobs(every.reshape(rows * length, -1), targets, top)
+            else:  # packed: the real tokens' positions, row-major, are where their blocks go
+                lens = query_lens.numpy().astype(np.int64)
+                real = torch.from_numpy(np.flatnonzero(np.arange(length)[None, :] < lens[:, None])).to(self.device)
+                block = logits.new_zeros(rows * length, block_width(top), dtype=torch.float32)
+                block[real] = position_logprobs(every, targets[real], top)
+            blocks.append(block.reshape(rows, length, -1))
+        return pack_output(tokens, blocks)
 
     def _processing_inputs(self, processing: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """The processing inputs on the device, or None when the step has none."""
@@ -334,8 +386,10 @@ class RelayPad:
 
     def __call__(self, *, tokens: torch.Tensor) -> torch.Tensor:
         rows = tokens.shape[0]
-        if tokens.dim() != 1 or rows > self.width:
+        if tokens.dim() not in (1, 2) or rows > self.width:
             raise ValueError(f"relay_pad: tokens {tuple(tokens.shape)} must be 1-D with at most {self.width} rows")
+        if tokens.dim() == 2:  # a packed output: its tokens are column 0
+            tokens = tokens[:, 0]
         tokens = tokens.to(self.device)
         return torch.cat([tokens, tokens.new_zeros(self.width - rows)])  # [width]
 

@@ -45,6 +45,7 @@ from neuron_async_sm.serve.generation import (
 )
 from neuron_async_sm.serve.metrics import ServerMetrics
 from neuron_async_sm.serve.tokenizer import ChatTemplateError, IncrementalText, ServedTokenizer
+from neuron_async_sm.values import is_int
 
 logger = logging.getLogger("uvicorn.error")  # uvicorn's own: shown beside its "Shutting down" at --log-level
 
@@ -162,6 +163,13 @@ class Server:
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
 
+    async def prompt_text(self, prompt: p.Prompt, ids: list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        if self.tokenizer is None:
+            return ""
+        return await asyncio.to_thread(self.tokenizer.decode, ids)
+
     def sampling_params(
         self, body: p.CompletionRequest | p.ChatCompletionRequest, prompt_len: int, max_tokens: int | None
     ) -> SamplingParams:
@@ -182,6 +190,7 @@ class Server:
             raise ApiError(
                 400, "stop: stop strings need a tokenizer.json in the model directory; use stop_token_ids", param="stop"
             )
+        logprobs = self.logprobs_count(body)
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -198,6 +207,8 @@ class Server:
                 min_p=body.min_p,
                 min_tokens=body.min_tokens,
                 logit_bias=body.token_bias,
+                logprobs=logprobs,
+                prompt_logprobs=logprobs if body.prompt_logprobs_count is not None else None,
             )
         except InvalidRequestError as exc:
             raise invalid(exc) from exc
@@ -213,6 +224,24 @@ class Server:
                 "(--max-num-seqs + --max-waiting)",
                 param="n",
             )
+
+    def logprobs_count(self, body: p.CompletionRequest | p.ChatCompletionRequest) -> int | None:
+        """The candidates per token the request asks for (vLLM's -1: the whole vocabulary), checked
+        against the engine's max_logprobs with a 400 naming the request's own field."""
+        count, param = body.logprobs_count, body.logprobs_param
+        if count is None:
+            return None
+        llm = self.engine.llm
+        limit = llm.config.max_logprobs
+        resolved = llm.vocab_size if count == -1 else count
+        if not is_int(count) or resolved < 0 or resolved > limit:
+            raise ApiError(
+                400,
+                f"{param}: must be an integer in [0, {limit}] (the server's --max-logprobs; -1: the whole "
+                f"vocabulary of {llm.vocab_size}), got {count!r}",
+                param=param,
+            )
+        return resolved
 
     async def _start(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
         try:
@@ -232,8 +261,9 @@ class Server:
         body: p.CompletionRequest | p.ChatCompletionRequest,
         prompts: list[list[int]],
         max_tokens: int | None,
-        make_format: Callable[[str, str, bool], Format],
+        make_format: Callable[..., Format],
         prefix: str,
+        prompt_texts: list[str] | None = None,
     ) -> Response:
         """Run `n` choices per prompt; answer streamed or collected.
 
@@ -254,11 +284,20 @@ class Server:
                 engine_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
                 stream = await self._start(ids, sampling, engine_id)
                 text = IncrementalText(self.tokenizer, body.stop_strings, **body.text_options)
-                choices.append(Choice(index, len(ids), stream, text))
+                choice = Choice(index, len(ids), stream, text, prompt_ids=ids)
+                choice.prompt_text = prompt_texts[index // body.n] if prompt_texts is not None else ""
+                choices.append(choice)
         except BaseException:
             generation.abort()  # the prompts that started before one was refused
             raise
-        fmt = make_format(request_id, self.settings.model_name, body.return_token_ids or self.tokenizer is None)
+        fmt = make_format(
+            request_id,
+            self.settings.model_name,
+            body.return_token_ids or self.tokenizer is None,
+            tokenizer=self.tokenizer,
+            logprobs=params[0].logprobs,  # the candidates shown per token (every prompt asks the same)
+            echo=getattr(body, "echo", False),
+        )
         if body.stream:
             return GenerationStreamingResponse(generation, fmt, body.stream_options)
         return await collect(request, generation, fmt)
@@ -351,7 +390,10 @@ async def completions(request: Request, body: CompletionBody) -> Response:
         else list(prompt)
         for prompt in body.prompts
     ]
-    return await server.generate(request, body, prompts, body.max_tokens, CompletionFormat, "cmpl")
+    texts = None
+    if body.echo:  # the prompt as written; a token-id prompt decoded (empty without a tokenizer)
+        texts = [await server.prompt_text(prompt, ids) for prompt, ids in zip(body.prompts, prompts, strict=True)]
+    return await server.generate(request, body, prompts, body.max_tokens, CompletionFormat, "cmpl", texts)
 
 
 @router.post("/v1/chat/completions")

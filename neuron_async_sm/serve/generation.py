@@ -18,9 +18,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from neuron_async_sm.engine.async_llm import AsyncLLM, RequestStream
+from neuron_async_sm.outputs import TokenLogprobs
 from neuron_async_sm.serve import protocol as p
 from neuron_async_sm.serve.errors import GenerationEnded
-from neuron_async_sm.serve.tokenizer import IncrementalText
+from neuron_async_sm.serve.logprobs import chat_logprobs, completion_logprobs
+from neuron_async_sm.serve.tokenizer import IncrementalText, ServedTokenizer
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class Piece:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" on the last piece
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
 
 
 @dataclass
@@ -42,6 +45,12 @@ class Choice:
     text: IncrementalText
     token_ids: list[int] = field(default_factory=list)  # generated so far
     finish_reason: str | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_text: str = ""  # what `echo` puts before the output
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # generated so far, when asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when asked: the first piece brings them
+    echoed: bool = False  # a stream wrote the prompt already
+    text_offset: int = 0  # characters a stream's logprobs have covered
 
     def usage(self) -> p.Usage:
         return p.usage(self.prompt_len, len(self.token_ids))
@@ -105,13 +114,17 @@ class Generation:
                 raise GenerationEnded(reason, delta.error)
             text = choice.text.push(delta.new_token_ids, final=reason is not None)
             choice.token_ids.extend(delta.new_token_ids)
+            if delta.prompt_logprobs is not None:
+                choice.prompt_logprobs = delta.prompt_logprobs
+            if delta.logprobs is not None:
+                choice.logprobs.extend(delta.logprobs)
             if choice.text.stopped:
                 self.engine.abort(choice.stream.request_id, finish_reason="stop")  # the engine would go on
                 choice.finish_reason = "stop"
-                yield Piece(text, delta.new_token_ids, "stop")
+                yield Piece(text, delta.new_token_ids, "stop", delta.logprobs)
                 return
             choice.finish_reason = reason
-            yield Piece(text, delta.new_token_ids, reason)
+            yield Piece(text, delta.new_token_ids, reason, delta.logprobs)
 
 
 class Format(Protocol):
@@ -133,6 +146,9 @@ class _Answer:
     request_id: str
     model: str
     return_token_ids: bool  # each choice carries its `token_ids`
+    tokenizer: ServedTokenizer | None = None  # the logprobs' token texts
+    logprobs: int | None = None  # candidates per token the response shows (None: no logprobs)
+    echo: bool = False  # completions: the prompt (and its logprobs) before the output
 
     def _ids(self, ids: list[int]) -> list[int] | None:
         return list(ids) if self.return_token_ids else None
@@ -143,21 +159,54 @@ class CompletionFormat(_Answer):
         return None
 
     def chunk(self, choice: Choice, piece: Piece, usage: p.Usage | None) -> p.CompletionResponse:
+        text, ids, positions = piece.text, piece.token_ids, piece.logprobs
+        if self.echo and not choice.echoed:  # the first chunk of an echoed choice: the prompt first
+            choice.echoed = True
+            text, ids, positions = self._echoed(choice, text, ids, positions)
+        logprobs = self._logprobs(ids, positions, choice.text_offset)
+        if logprobs is not None and logprobs.tokens:
+            choice.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         out = p.CompletionChoice(
-            index=choice.index, text=piece.text, finish_reason=piece.finish_reason, token_ids=self._ids(piece.token_ids)
+            index=choice.index,
+            text=text,
+            finish_reason=piece.finish_reason,
+            logprobs=logprobs,
+            token_ids=self._ids(piece.token_ids),
         )
         return p.CompletionResponse(id=self.request_id, model=self.model, choices=[out], usage=usage)
+
+    def _echoed(
+        self, choice: Choice, text: str, ids: list[int], positions: list[TokenLogprobs] | None
+    ) -> tuple[str, list[int], list[TokenLogprobs | None] | None]:
+        """The prompt's text, ids and logprobs before the output's."""
+        prompt = choice.prompt_logprobs if choice.prompt_logprobs is not None else [None] * len(choice.prompt_ids)
+        return choice.prompt_text + text, choice.prompt_ids + ids, prompt + (positions or [])
+
+    def _logprobs(
+        self, ids: list[int], positions: list[TokenLogprobs | None] | None, offset: int
+    ) -> p.CompletionLogprobs | None:
+        if self.logprobs is None:
+            return None
+        return completion_logprobs(self.tokenizer, ids, positions or [None] * len(ids), self.logprobs, offset)
 
     def usage_chunk(self, usage: p.Usage) -> p.CompletionResponse:
         return p.CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
 
     def response(self, generation: Generation, texts: dict[int, str]) -> p.CompletionResponse:
-        choices = [
-            p.CompletionChoice(
-                index=c.index, text=texts[c.index], finish_reason=c.finish_reason, token_ids=self._ids(c.token_ids)
+        choices = []
+        for c in generation.choices:
+            text, ids, positions = texts[c.index], c.token_ids, c.logprobs
+            if self.echo:
+                text, ids, positions = self._echoed(c, text, ids, positions)
+            choices.append(
+                p.CompletionChoice(
+                    index=c.index,
+                    text=text,
+                    finish_reason=c.finish_reason,
+                    logprobs=self._logprobs(ids, positions, 0),
+                    token_ids=self._ids(c.token_ids),
+                )
             )
-            for c in generation.choices
-        ]
         return p.CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=generation.usage())
 
 
@@ -174,9 +223,15 @@ class ChatFormat(_Answer):
             index=choice.index,
             delta=p.ChatDelta(content=piece.text),
             finish_reason=piece.finish_reason,
+            logprobs=self._logprobs(piece.logprobs),
             token_ids=self._ids(piece.token_ids),
         )
         return self._chunk(out, usage)
+
+    def _logprobs(self, positions: list[TokenLogprobs] | None) -> p.ChatLogprobs | None:
+        if self.logprobs is None:
+            return None
+        return chat_logprobs(self.tokenizer, positions or [], self.logprobs)
 
     def usage_chunk(self, usage: p.Usage) -> p.ChatCompletionChunk:
         return p.ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage)
@@ -187,6 +242,7 @@ class ChatFormat(_Answer):
                 index=c.index,
                 message=p.AssistantMessage(content=texts[c.index]),
                 finish_reason=c.finish_reason,
+                logprobs=self._logprobs(c.logprobs),
                 token_ids=self._ids(c.token_ids),
             )
             for c in generation.choices

@@ -2,10 +2,11 @@
 response and streaming-chunk models, and the error body.
 
 Fields OpenAI defines but this engine does not implement are accepted only at their neutral value
-(`echo=false`, no logprobs, `best_of` unset or `n`): anything else is a 400 naming the field, never a
-silently different result. Extras beyond OpenAI follow vLLM's names and meanings: `top_k` (-1 or 0:
-off), `min_p`, `min_tokens`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `return_token_ids`,
-`stream_options.continuous_usage_stats`.
+(`best_of` unset or `n`): anything else is a 400 naming the field, never a silently different result.
+Logprobs are honoured: completions' `logprobs` (with `echo`, the prompt's too) and chat's `logprobs`
+/ `top_logprobs`, in vLLM's response shapes (serve/logprobs.py). Extras beyond OpenAI follow vLLM's
+names and meanings: `top_k` (-1 or 0: off), `min_p`, `min_tokens`, `repetition_penalty`,
+`stop_token_ids`, `ignore_eos`, `return_token_ids`, `stream_options.continuous_usage_stats`.
 Text must be valid Unicode: a lone surrogate ("\\ud800", which JSON can carry) is a 400 naming the field.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -74,6 +75,18 @@ class _SamplingFields(_Strict):
     length_penalty: float = 1.0
     priority: int = 0
     spaces_between_special_tokens: bool = True
+
+    logprobs_param: ClassVar[str] = "logprobs"  # the field that asks for logprobs, named in its errors
+
+    @property
+    def logprobs_count(self) -> int | None:
+        """Top tokens per output token the engine computes (SamplingParams.logprobs); None: none."""
+        return None
+
+    @property
+    def prompt_logprobs_count(self) -> int | None:
+        """Top tokens per prompt token (SamplingParams.prompt_logprobs); None: none."""
+        return None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to a value this engine cannot honour."""
@@ -171,13 +184,17 @@ class CompletionRequest(_SamplingFields):
             return [self.prompt]  # type: ignore[list-item]
         return list(self.prompt)  # type: ignore[arg-type]
 
+    @property
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprobs_count(self) -> int | None:
+        return self.logprobs if self.echo else None  # vLLM: echo with logprobs returns the prompt's too
+
     def unsupported(self) -> tuple[str, str] | None:
         if isinstance(self.prompt, list) and not self.prompt:
             return "prompt", "empty prompt"
-        if self.echo:
-            return "echo", "echo is not supported"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported"
         if self.best_of is not None and self.best_of < self.n:
             return "best_of", f"must be >= n ({self.n}), got {self.best_of}"
         if self.best_of is not None and self.best_of > self.n:
@@ -208,12 +225,19 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None  # None: up to max_model_len
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
+    top_logprobs: int | None = None  # with logprobs: how many candidates per token (0..max_logprobs)
     add_generation_prompt: bool = True  # vLLM extra: the template's cue for the assistant's turn
     add_special_tokens: bool = False  # vLLM extra: the template writes them; True adds the tokenizer's too
 
+    logprobs_param: ClassVar[str] = "top_logprobs"
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported"
+        if self.top_logprobs not in (None, 0) and not self.logprobs:  # vLLM's rule
+            return "top_logprobs", "top_logprobs needs logprobs=true"
         return super().unsupported()
 
     @property
@@ -266,11 +290,34 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
 FinishReason = Literal["stop", "length"] | None
 
 
+class CompletionLogprobs(BaseModel):
+    """A completion choice's logprobs: per token its text, where it starts, its logprob and candidates."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: the first prompt token
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class ChatLogprob(BaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatLogprobContent(ChatLogprob):
+    top_logprobs: list[ChatLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobContent] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
 
 
@@ -292,7 +339,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
 
@@ -314,7 +361,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: FinishReason = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
 

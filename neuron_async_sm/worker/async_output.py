@@ -14,6 +14,7 @@ from neuron_async_sm.trace import Tracer
 
 if TYPE_CHECKING:
     from neuron_async_sm.worker.input_batch import InputBatch
+    from neuron_async_sm.worker.step_logprobs import StepLogprobs
 
 OUTPUT_THREAD_NAME = "async-output"  # the async output thread (engine/executor.py), named in the trace header
 
@@ -36,18 +37,29 @@ class AsyncModelRunnerOutput:
         batch: InputBatch,
         tracer: Tracer = Tracer.NONE,
         host_sampler: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        logprobs: StepLogprobs | None = None,
     ) -> None:
         self.snapshot = snapshot
         # Sampled token ids, [padded rows] int32, still on the device: the next step may feed on it.
-        # Otherwise (host_sampler set, sync mode only) logits [padded rows, vocab] sampled on the host.
+        # With logprobs, [padded rows, 1 + width] int32: the tokens in column 0, the logprobs after
+        # them (worker/step_logprobs.py). Otherwise (host_sampler set, sync mode only) logits
+        # [padded rows, vocab] sampled on the host.
         self.future = future
         self._host_sampler = host_sampler
+        self._logprobs = logprobs
         self._batch = batch  # the worker's CPU token state: it applies the tokens (InputBatch.write_back)
         self._tracer = tracer
         self._lock = threading.Lock()
         self._result: ModelRunnerOutput | None = None
         self._error: BaseException | None = None
         self.materialize_count = 0  # how many times the transfer + write-back ran (must stay <= 1)
+
+    @property
+    def fed_shape(self) -> tuple[int, ...]:
+        """The shape a later step reads of the future as its input ids: a logprobs output's tokens
+        (column 0, `[B]`; the program takes that column), otherwise the whole future."""
+        shape = tuple(self.future.shape)
+        return shape[:1] if self._logprobs is not None else shape
 
     @property
     def step_id(self) -> int:
@@ -71,19 +83,24 @@ class AsyncModelRunnerOutput:
                 host = self.future.to_host()  # blocks until the program ran; re-raises its error
             if self._host_sampler is not None:
                 host = self._host_sampler(host)
-            rows = host.tolist()[: len(snapshot.req_ids)]  # ints (an integer tensor); no torch slice
-            runs = None
-            if host.dim() == 2:  # speculative: per row its accepted drafts and one more token, then -1
-                runs = [row[: row.index(-1)] if -1 in row else row for row in rows]
-                rows = [run[0] for run in runs]
-            tokens = rows
+            logprobs = prompt_logprobs = runs = None
+            if self._logprobs is not None:  # read in the same materialization as the tokens
+                tokens, logprobs, prompt_logprobs = self._logprobs.read(host, snapshot.sample_positions)
+            else:
+                rows = host.tolist()[: len(snapshot.req_ids)]  # ints (an integer tensor); no torch slice
+                if host.dim() == 2:  # speculative: per row its accepted drafts and one more token, then -1
+                    runs = [row[: row.index(-1)] if -1 in row else row for row in rows]
+                    rows = [run[0] for run in runs]
+                tokens = rows
             self._tracer.observer.write_back(snapshot, tokens)
             # Inside the lock: a thread that asks second returns only once the batch holds the tokens.
             if runs is None:
                 self._batch.write_back(snapshot, tokens)
             else:
                 self._batch.write_runs(snapshot, runs)
-            self._result = ModelRunnerOutput(snapshot.step_id, list(snapshot.req_ids), tokens, runs)
+            self._result = ModelRunnerOutput(
+                snapshot.step_id, list(snapshot.req_ids), tokens, runs, logprobs, prompt_logprobs
+            )
         except BaseException as exc:  # surfaced to every caller, never swallowed
             self._error = exc
         finally:

@@ -144,6 +144,9 @@ class InputBatch:
         self.top_p = np.ones(max_num_seqs, dtype=np.float32)  # [slots]
         self.seeds = np.zeros(max_num_seqs, dtype=np.int64)  # [slots]
         self.output_base = np.zeros(max_num_seqs, dtype=np.int64)  # [slots] outputs already in the prompt
+        # [slots] top tokens each request's logprobs / prompt logprobs ask for; -1: none
+        self.logprob_counts = np.full(max_num_seqs, -1, dtype=np.int64)
+        self.prompt_logprob_counts = np.full(max_num_seqs, -1, dtype=np.int64)
         # The write-back's views of the same memory: a memoryview item write is plain Python (tens of
         # ns), where a numpy scalar write or a scatter's dozen calls cost microseconds each on the
         # engine's threads, whose caches the device's program has just evicted (measured in the engine
@@ -214,6 +217,8 @@ class InputBatch:
         self.top_p[slot] = params.top_p
         self.seeds[slot] = state.seed
         self.output_base[slot] = state.num_output_tokens
+        self.logprob_counts[slot] = -1 if params.logprobs is None else params.logprobs
+        self.prompt_logprob_counts[slot] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
         state._batch = self
         self.requests[state.request_id] = state
 

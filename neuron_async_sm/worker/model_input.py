@@ -14,10 +14,12 @@ from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.model import sample_tokens
 from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, INPUTS
 from neuron_async_sm.model.logits_processors import PROCESSING, parts_used, process_logits, tokens_so_far
+from neuron_async_sm.model.logprobs import LogprobsLayout
 from neuron_async_sm.outputs import SchedulerOutput
 from neuron_async_sm.runtime import WireTensor
 from neuron_async_sm.worker.input_batch import POISON_TOKEN, InputBatch, StepRows, WrittenTokens
 from neuron_async_sm.worker.processing_inputs import processing_inputs
+from neuron_async_sm.worker.step_logprobs import NONE, StepLogprobs, count_input, top_count
 
 _plus_one = (1).__add__
 SAMPLED_DTYPE = INPUTS["input_ids"].dtype  # the program's output: it feeds the next step as its input_ids
@@ -35,6 +37,7 @@ class ModelInput:
     # each kept once, as the runtime is sent it: a host tensor, or the bytes of one already encoded
     # (every input of a decode step; a prefill's inputs fixed by its rows, see RowInputs).
     inputs: Mapping[str, torch.Tensor | WireTensor]
+    logprobs: StepLogprobs | None = None  # None: no row asks, the output is the tokens alone
 
     @property
     def num_rows(self) -> int:
@@ -83,10 +86,21 @@ class RowInputs:
     token_offsets: tuple[int, ...]  # [R] where each row's tokens start in InputBatch.token_flat
     output_index_offsets: tuple[int, ...]  # [R] 1 - num_prompt + output_base: a decode's output index is start + this
     output_base: np.ndarray  # int64 [R] outputs already in the prompt (a restarted request)
+    logprob_counts: np.ndarray  # int [R] top tokens per sampled token each row asks for (NONE: none)
+    prompt_logprob_counts: np.ndarray  # int [R] top tokens per prompt position (NONE: none)
     # Encoded once for the runtime, [B] each: slot_ids (padding rows: the scratch slot), temperature,
     # top_k, top_p, seeds, and query_lens of a decode step (1 per real row; a prefill's are per step);
     # the logits-processing inputs when a row uses them ([B] or [B, W], model/logits_processors.py).
+    # sample_logprobs when a row asks.
     encoded: Mapping[str, WireTensor]
+
+    def sample_logprobs(self, sample_positions: tuple[int | None, ...]) -> StepLogprobs | None:
+        """A decode step's logprobs (the sampled tokens'), or None when no row asks."""
+        top = top_count(self.logprob_counts)
+        if top == NONE:
+            return None
+        layout = LogprobsLayout(top, NONE, 1)
+        return StepLogprobs(layout, self.logprob_counts, self.prompt_logprob_counts, None, None)
 
 
 def _follows(written: WrittenTokens, step_id: int, req_ids: tuple[str, ...], start: tuple[int, ...]) -> bool:
@@ -125,6 +139,13 @@ def row_inputs(
     params = [batch.requests[r].sampling_params for r in req_ids]
     prompt_len = batch.num_prompt_tokens[slots] - batch.output_base[slots]  # [R] the original prompt
     processing = processing_inputs(params, prompt_len, num_padded, batch.eos_token_ids)
+    encoded = {
+        **{name: WireTensor(value.tobytes(), (num_padded,), INPUTS[name].dtype) for name, value in fixed.items()},
+        **{name: WireTensor(v.tobytes(), v.shape, PROCESSING[name].dtype) for name, v in processing.items()},
+    }
+    logprob_counts = batch.logprob_counts[slots]
+    if (top := top_count(logprob_counts)) != NONE:
+        encoded["sample_logprobs"] = count_input(top)
     rows = RowInputs(
         req_ids=req_ids,
         num_padded=num_padded,
@@ -132,10 +153,9 @@ def row_inputs(
         token_offsets=tuple((slots * batch.max_model_len).tolist()),
         output_index_offsets=tuple((1 - batch.num_prompt_tokens[slots] + batch.output_base[slots]).tolist()),
         output_base=batch.output_base[slots],
-        encoded={
-            **{name: WireTensor(value.tobytes(), (num_padded,), INPUTS[name].dtype) for name, value in fixed.items()},
-            **{name: WireTensor(v.tobytes(), v.shape, PROCESSING[name].dtype) for name, v in processing.items()},
-        },
+        logprob_counts=logprob_counts,
+        prompt_logprob_counts=batch.prompt_logprob_counts[slots],
+        encoded=encoded,
     )
     batch.row_inputs_cache = rows
     return rows
@@ -189,7 +209,7 @@ def build_model_input(
             "positions": WireTensor(pos.tobytes(), shape, INPUTS["positions"].dtype),
             "output_index": WireTensor(output_index.tobytes(), shape, INPUTS["output_index"].dtype),
         }
-        return ModelInput(req_ids, end, True, inputs)
+        return ModelInput(req_ids, end, True, inputs, fixed.sample_logprobs(end))
     start = np.fromiter(map(computed.__getitem__, req_ids), np.int64, num_rows)  # [R]
     width = shape[1]
     count = np.fromiter(map(scheduled.num_scheduled_tokens.__getitem__, req_ids), np.int64, num_rows)  # [R]
@@ -214,4 +234,36 @@ def build_model_input(
             _padded(np.maximum(end - num_prompt, 0) + fixed.output_base, num_padded, "output_index")
         ),
     }
-    return ModelInput(req_ids, tuple(sample_positions), False, inputs)
+    logprobs = fixed.sample_logprobs(tuple(sample_positions))
+    if top_count(fixed.prompt_logprob_counts) != NONE:
+        logprobs = _prompt_logprobs(fixed, logprobs, inputs, batch.token_ids[slots], at, real, num_padded)
+    return ModelInput(req_ids, tuple(sample_positions), False, inputs, logprobs)
+
+
+def _prompt_logprobs(
+    fixed: RowInputs,
+    logprobs: StepLogprobs | None,
+    inputs: dict[str, torch.Tensor | WireTensor],
+    tokens: np.ndarray,
+    at: np.ndarray,
+    real: np.ndarray,
+    num_padded: int,
+) -> StepLogprobs | None:
+    """A prefill step's prompt logprobs: adds the program's inputs for them (`prompt_logprobs`,
+    `prompt_targets`) and returns the step's logprobs, or `logprobs` unchanged when no row that asks
+    computes prompt tokens (a row whose chunk holds none of its prompt's logprobs, as a one-token
+    prompt's, gets an empty list). tokens int32 `[R, max_model_len]` (the rows'),
+    at / real `[R, L]`: each chunk position and whether it is a real token."""
+    counts = fixed.prompt_logprob_counts
+    if not ((counts != NONE) & (at[:, 0] < fixed.num_prompt)).any():  # no row that asks is in its prompt
+        return logprobs
+    nxt = at + 1  # [R, L] the position whose token each position's logprob is of
+    valid = real & (nxt < fixed.num_prompt[:, None]) & (counts[:, None] != NONE)  # [R, L]
+    top = top_count(counts)
+    targets = np.zeros((num_padded, at.shape[1]), dtype=np.int32)  # [B, L]
+    targets[: len(counts)] = np.where(valid, np.take_along_axis(tokens, np.where(valid, nxt, 0), axis=1), 0)
+    inputs["prompt_logprobs"] = count_input(top)
+    inputs["prompt_targets"] = torch.from_numpy(targets)
+    sample = logprobs.layout.sample_top if logprobs is not None else NONE
+    layout = LogprobsLayout(sample, top, at.shape[1])
+    return StepLogprobs(layout, fixed.logprob_counts, counts, targets[: len(counts)], valid)

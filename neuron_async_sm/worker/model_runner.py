@@ -156,6 +156,9 @@ class ModelRunner:
         if spec is not None:  # accepted tokens [B, 1 + k], -1 after each row's run
             out = TensorSpec((num_rows, spec.width), SAMPLED_DTYPE)
             future = self.runtime.enqueue(SPEC_STEP_PROGRAM, model_input.inputs, out)
+        elif model_input.logprobs is not None:  # the tokens in column 0, then the logprobs' float32 bits
+            out = TensorSpec((num_rows, 1 + model_input.logprobs.layout.width), SAMPLED_DTYPE)
+            future = self.runtime.enqueue(STEP_PROGRAM, {**model_input.inputs, **fed}, out)
         elif self.config.on_device_sampling:
             out = self._sampled_specs.get(num_rows)
             if out is None:  # one per bucket, kept: a TensorSpec validates itself when built
@@ -171,10 +174,11 @@ class ModelRunner:
         assert executed is not None, "sample_tokens() without execute_model()"
         model_input = executed.model_input
         snapshot = StepSnapshot(executed.scheduled.step_id, model_input.req_ids, model_input.sample_positions)
+        logprobs = model_input.logprobs
         host_sampler = None
-        if not self.config.on_device_sampling:  # sync only: the batch's token ids are complete
+        if not self.config.on_device_sampling and logprobs is None:  # sync only: the batch's token ids are complete
             host_sampler = partial(model_input.sample_on_host, token_ids=self.batch.token_ids)
-        output = AsyncModelRunnerOutput(snapshot, executed.future, self.batch, self.tracer, host_sampler)
+        output = AsyncModelRunnerOutput(snapshot, executed.future, self.batch, self.tracer, host_sampler, logprobs)
         if not self.use_async_scheduling:
             # Normal Flow: block on the host copy (a non-output rank's is dropped unread).
             return output.get_output() if self.is_output_rank else output
@@ -200,7 +204,7 @@ class ModelRunner:
             prev_req_ids=pending.snapshot.req_ids if pending is not None else (),
             curr_req_ids=rows.req_ids,
             all_decode=scheduled.all_decode,
-            pending_shape=tuple(future.shape) if future is not None else (),
+            pending_shape=pending.fed_shape if pending is not None else (),
             pending_dtype=dtype_name(future.dtype) if future is not None else "",
             input_shape=rows.shape,
             input_dtype=_SAMPLED_DTYPE_NAME,

@@ -114,3 +114,11 @@ def save_hf_model(path: Path, *, seed: int = 0, **overrides):  # -> transformers
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
     model.save_pretrained(path)
     return model
+
+
+def hf_logprobs(model, tokens: list[int]) -> torch.Tensor:
+    """float64 `[len(tokens), vocab]` from `transformers`' logits (as the model computes them): row i
+    is the log-distribution of the token after tokens[: i + 1]. The logprobs reference."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long)).logits[0]
+    return logits.double().log_softmax(dim=-1)

@@ -1,0 +1,73 @@
+"""Log-probabilities on the device, packed into the step's one output beside the sampled tokens.
+
+They are vLLM's default (`logprobs_mode="raw_logprobs"`): `log_softmax` in float32 of the model's
+logits as the forward gives them, before temperature, top-k / top-p or any logits processor, so they
+are the same whatever a request samples with. One position's logprobs: the chosen token's (the
+sampled one, or the prompt's next token), its rank (vLLM's: how many tokens have a logprob >= it, so
+1 for the most likely), and the `top` most likely tokens with theirs.
+
+The step's output stays one tensor, int32 `[B, 1 + width]`, so the logprobs come back with the tokens
+in one transfer and one materialization: column 0 is the sampled tokens (a later step may take them
+as its input ids, `StepProgram` reads column 0), the other columns are float32 bits (`LogprobsLayout`):
+the sampled token's block, then one block per prompt position of the row's chunk. Token ids and ranks
+ride in float32, exact below 2**24 (`MAX_VOCAB`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MAX_VOCAB = 1 << 24  # token ids and ranks travel as float32, exact up to here
+
+
+def block_width(top: int) -> int:
+    """Columns of one position's block: logprob, rank, `top` ids, `top` logprobs."""
+    return 2 + 2 * top
+
+
+def position_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> torch.Tensor:
+    """float32 `[R, block_width(top)]` from logits `[R, vocab]` and the chosen token ids `[R]`."""
+    logprobs = logits.float().log_softmax(dim=-1)  # [R, vocab]
+    chosen_lp = logprobs.gather(1, chosen.long().unsqueeze(1))  # [R, 1]
+    rank = (logprobs >= chosen_lp).sum(dim=-1, keepdim=True).float()  # [R, 1]
+    top_lp, top_ids = logprobs.topk(top, dim=-1)  # [R, top] each
+    return torch.cat([chosen_lp, rank, top_ids.float(), top_lp], dim=1)
+
+
+def pack_output(tokens: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
+    """int32 `[B, 1 + width]`: the tokens `[B]`, then each float32 block `[B, w]` as its bits."""
+    bits = torch.cat([b.reshape(b.shape[0], -1) for b in blocks], dim=1).contiguous().view(torch.int32)
+    return torch.cat([tokens.to(torch.int32).unsqueeze(1), bits], dim=1)
+
+
+@dataclass(frozen=True)
+class LogprobsLayout:
+    """What one step's packed output holds besides the tokens, for the host to read it back."""
+
+    sample_top: int  # top tokens per sampled token; -1: no sampled-token block
+    prompt_top: int  # top tokens per prompt position; -1: no prompt blocks
+    length: int  # L: prompt positions per row (the step's padded tokens per row)
+
+    @property
+    def sample_width(self) -> int:
+        return block_width(self.sample_top) if self.sample_top >= 0 else 0
+
+    @property
+    def width(self) -> int:
+        prompt = self.length * block_width(self.prompt_top) if self.prompt_top >= 0 else 0
+        return self.sample_width + prompt
+
+    def split(self, output: torch.Tensor) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """The host copy `[B, 1 + width]` as (tokens, sampled-token blocks float32 `[B, sample_width]`,
+        prompt blocks float32 `[B, L, block]`; empty where the step has none)."""
+        host = output.to(torch.int32).numpy()  # a device may widen the integer type; the bits are int32's
+        rows = host.shape[0]
+        values = np.ascontiguousarray(host[:, 1:]).view(np.float32)  # [B, width]
+        sample = values[:, : self.sample_width]
+        prompt = values[:, self.sample_width :]
+        if self.prompt_top >= 0:
+            prompt = prompt.reshape(rows, self.length, -1)
+        return host[:, 0].tolist(), sample, prompt
