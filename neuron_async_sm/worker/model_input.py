@@ -88,6 +88,8 @@ class RowInputs:
     output_base: np.ndarray  # int64 [R] outputs already in the prompt (a restarted request)
     logprob_counts: np.ndarray  # int [R] top tokens per sampled token each row asks for (NONE: none)
     prompt_logprob_counts: np.ndarray  # int [R] top tokens per prompt position (NONE: none)
+    logprob_top: int  # the most of logprob_counts: the step's top-N (NONE: no row asks)
+    prompt_logprob_top: int  # the same for prompt_logprob_counts
     # Encoded once for the runtime, [B] each: slot_ids (padding rows: the scratch slot), temperature,
     # top_k, top_p, seeds, and query_lens of a decode step (1 per real row; a prefill's are per step);
     # the logits-processing inputs when a row uses them ([B] or [B, W], model/logits_processors.py).
@@ -96,10 +98,9 @@ class RowInputs:
 
     def sample_logprobs(self, sample_positions: tuple[int | None, ...]) -> StepLogprobs | None:
         """A decode step's logprobs (the sampled tokens'), or None when no row asks."""
-        top = top_count(self.logprob_counts)
-        if top == NONE:
+        if self.logprob_top == NONE:  # the common step: an int compare, nothing else
             return None
-        layout = LogprobsLayout(top, NONE, 1)
+        layout = LogprobsLayout(self.logprob_top, NONE, 1)
         return StepLogprobs(layout, self.logprob_counts, self.prompt_logprob_counts, None, None)
 
 
@@ -143,7 +144,7 @@ def row_inputs(
         **{name: WireTensor(value.tobytes(), (num_padded,), INPUTS[name].dtype) for name, value in fixed.items()},
         **{name: WireTensor(v.tobytes(), v.shape, PROCESSING[name].dtype) for name, v in processing.items()},
     }
-    logprob_counts = batch.logprob_counts[slots]
+    logprob_counts, prompt_counts = batch.logprob_counts[slots], batch.prompt_logprob_counts[slots]
     if (top := top_count(logprob_counts)) != NONE:
         encoded["sample_logprobs"] = count_input(top)
     rows = RowInputs(
@@ -154,7 +155,9 @@ def row_inputs(
         output_index_offsets=tuple((1 - batch.num_prompt_tokens[slots] + batch.output_base[slots]).tolist()),
         output_base=batch.output_base[slots],
         logprob_counts=logprob_counts,
-        prompt_logprob_counts=batch.prompt_logprob_counts[slots],
+        prompt_logprob_counts=prompt_counts,
+        logprob_top=top,
+        prompt_logprob_top=top_count(prompt_counts),
         encoded=encoded,
     )
     batch.row_inputs_cache = rows
@@ -235,7 +238,7 @@ def build_model_input(
         ),
     }
     logprobs = fixed.sample_logprobs(tuple(sample_positions))
-    if top_count(fixed.prompt_logprob_counts) != NONE:
+    if fixed.prompt_logprob_top != NONE:
         logprobs = _prompt_logprobs(fixed, logprobs, inputs, batch.token_ids[slots], at, real, num_padded)
     return ModelInput(req_ids, tuple(sample_positions), False, inputs, logprobs)
 
@@ -259,7 +262,7 @@ def _prompt_logprobs(
         return logprobs
     nxt = at + 1  # [R, L] the position whose token each position's logprob is of
     valid = real & (nxt < fixed.num_prompt[:, None]) & (counts[:, None] != NONE)  # [R, L]
-    top = top_count(counts)
+    top = fixed.prompt_logprob_top
     targets = np.zeros((num_padded, at.shape[1]), dtype=np.int32)  # [B, L]
     targets[: len(counts)] = np.where(valid, np.take_along_axis(tokens, np.where(valid, nxt, 0), axis=1), 0)
     inputs["prompt_logprobs"] = count_input(top)
