@@ -140,3 +140,19 @@ def test_a_one_token_prompt_has_prompt_logprobs_of_none(checkpoint):
     with engine(path, True) as llm:
         [out] = llm.generate([[7]], SamplingParams(max_tokens=2, prompt_logprobs=1))
     assert out.prompt_logprobs == [None] and out.logprobs is None
+
+
+def test_tensor_parallel_logprobs_equal_one_rank():
+    """Two ranks (the vocabulary's logits all-gathered, every token's too for the prompt's): the same
+    tokens and the same logprobs as one rank (float64 weights, so the sharded sums round alike)."""
+    params = SamplingParams(max_tokens=4, logprobs=3, prompt_logprobs=2)
+    outs = []
+    for tp in (1, 2):
+        config = dict(dtype="float64", max_num_batched_tokens=16, prefill_buckets=(16,), max_model_len=64)
+        with LLM("tiny-llama", tensor_parallel_size=tp, **config) as llm:
+            [out] = llm.generate([list(range(3, 23))], params)  # 20 tokens: two prefill chunks
+        outs.append(out)
+    one, two = outs
+    assert two.output_token_ids == one.output_token_ids
+    assert two.logprobs == one.logprobs
+    assert two.prompt_logprobs == one.prompt_logprobs and len(one.prompt_logprobs) == 20
