@@ -96,8 +96,8 @@ class RowInputs:
     # sample_logprobs when a row asks.
     encoded: Mapping[str, WireTensor]
 
-    def sample_logprobs(self, sample_positions: tuple[int | None, ...]) -> StepLogprobs | None:
-        """A decode step's logprobs (the sampled tokens'), or None when no row asks."""
+    def step_logprobs(self) -> StepLogprobs | None:
+        """A step's sampled-token logprobs (a prefill may add its prompt's), or None when no row asks."""
         if self.logprob_top == NONE:  # the common step: an int compare, nothing else
             return None
         layout = LogprobsLayout(self.logprob_top, NONE, 1)
@@ -212,7 +212,7 @@ def build_model_input(
             "positions": WireTensor(pos.tobytes(), shape, INPUTS["positions"].dtype),
             "output_index": WireTensor(output_index.tobytes(), shape, INPUTS["output_index"].dtype),
         }
-        return ModelInput(req_ids, end, True, inputs, fixed.sample_logprobs(end))
+        return ModelInput(req_ids, end, True, inputs, fixed.step_logprobs())
     start = np.fromiter(map(computed.__getitem__, req_ids), np.int64, num_rows)  # [R]
     width = shape[1]
     count = np.fromiter(map(scheduled.num_scheduled_tokens.__getitem__, req_ids), np.int64, num_rows)  # [R]
@@ -237,7 +237,7 @@ def build_model_input(
             _padded(np.maximum(end - num_prompt, 0) + fixed.output_base, num_padded, "output_index")
         ),
     }
-    logprobs = fixed.sample_logprobs(tuple(sample_positions))
+    logprobs = fixed.step_logprobs()
     if fixed.prompt_logprob_top != NONE:
         logprobs = _prompt_logprobs(fixed, logprobs, inputs, batch.token_ids[slots], at, real, num_padded)
     return ModelInput(req_ids, tuple(sample_positions), False, inputs, logprobs)
