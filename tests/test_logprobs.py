@@ -7,6 +7,7 @@ any filter. Ours are computed on the device in float32 (model/logprobs.py); 1e-4
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,19 @@ def test_tensor_parallel_logprobs_equal_one_rank():
     assert two.output_token_ids == one.output_token_ids
     assert two.logprobs == one.logprobs
     assert two.prompt_logprobs == one.prompt_logprobs and len(one.prompt_logprobs) == 20
+
+
+def test_logprobs_are_taken_before_the_penalties(checkpoint):
+    """vLLM's raw logprobs: penalties change which token is sampled, never the logprobs reported; the
+    tokens are those of the same request without logprobs."""
+    path, model = checkpoint
+    prompt = list(PROMPTS[2])
+    params = SamplingParams(max_tokens=NEW_TOKENS, repetition_penalty=3.0, presence_penalty=1.5, logprobs=1)
+    with engine(path, True) as llm:
+        [out] = llm.generate([prompt], params)
+        [plain] = llm.generate([prompt], dataclasses.replace(params, logprobs=None))
+    assert out.output_token_ids == plain.output_token_ids and plain.logprobs is None
+    ref = hf_logprobs(model, prompt + out.output_token_ids)
+    for i, (token, lp) in enumerate(zip(out.output_token_ids, out.logprobs, strict=True)):
+        assert_position(lp, ref[len(prompt) - 1 + i], token, 1)
+    assert any(lp.rank > 1 for lp in out.logprobs)  # the penalties moved the pick off the raw argmax
