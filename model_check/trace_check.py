@@ -21,6 +21,8 @@ from tlc import SPEC_DIR, TlcResult, run_tlc, tla
 TRACE_MODULE = "TraceAsyncScheduling"
 SPEC_MODULES = ("AsyncScheduling.tla", "TraceAsyncScheduling.tla", "TraceAsyncScheduling.cfg")
 LOGGED_EVENTS = ("step", "reinstate", "drain", "Materialize", "AdvanceStep", "Abort")
+# Structured output's events (spec/StructuredOutput.tla): the machine's `launch` and each bitmask built.
+STRUCTURED_OUTPUT_EVENTS = ("launch", "mask")
 SPEC_INVARIANTS = ("TypeOK", "ExactlyOnceMaterializationInv", "TokenOwnershipInv", "NoStaleInputInv", "CounterInv")
 POISON_TOKEN = -1  # neuron_async_sm.worker.input_batch.POISON_TOKEN: a token the host does not have yet
 _MATCHED = re.compile(r'<<"matched", (\d+), (\d+)>>')
@@ -108,9 +110,16 @@ def logged_events(events: Iterable[dict]) -> list[dict]:
     while waiting, before any trace event named them) are invisible to the spec and left out."""
     live: set[str] = set()
     kept = []
+    path: dict[int, str] = {}  # step -> its path state
     for e in events:
-        if e["event"] == "config":
+        if e["event"] == "config" or e["event"] in STRUCTURED_OUTPUT_EVENTS:
             continue
+        if e["event"] == "step":
+            path[e["step"]] = e["state"]
+        elif e["event"] == "reinstate" and e["source"] in LAUNCH_STATES:
+            # After `launch` (a masked step) the reinstate leaves its launch state; this spec knows
+            # only the path: the launch is StructuredOutput.tla's (checked by check_fresh_masks).
+            e = {**e, "source": path[e["step"]]}
         if e["event"] not in LOGGED_EVENTS:
             raise ValueError(f"unknown trace event {e['event']!r} (seq {e.get('seq')})")
         if e["event"] == "step":
@@ -123,6 +132,24 @@ def logged_events(events: Iterable[dict]) -> list[dict]:
             live.discard(e["req_id"])
         kept.append(e)
     return kept
+
+
+LAUNCH_STATES = ("SampleInProgram", "SampleDeferred")  # async_machine.LAUNCH_STATES
+
+
+def stale_masks(events: Iterable[dict]) -> list[str]:
+    """FreshMaskInv on a real trace: every masked row sampled its output k (0-based) under its grammar
+    after exactly k tokens, never an older state. Returns one line per violation (empty: it holds)."""
+    problems = []
+    for e in events:
+        if e["event"] == "mask":
+            for req_id, grammar_tokens, output_index in e["masks"]:
+                if grammar_tokens != output_index:
+                    problems.append(
+                        f"step {e['step']}: {req_id} sampled output {output_index} under its grammar after "
+                        f"{grammar_tokens} tokens"
+                    )
+    return problems
 
 
 def _input(row: list) -> dict:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from neuron_async_sm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from neuron_async_sm.structured_output import GrammarBitmask
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,11 @@ class SchedulerOutput:
     # Speculative decoding: request id -> drafts reserved for its row (its row computes 1 + that many
     # tokens); a request not here drafts nothing this step.
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    # Structured output: the requests of this step that sample under a live grammar (the machine's
+    # `masked_req_ids`), and their bitmask when the scheduler could build it now (every one of their
+    # grammars holds its request's newest token); None otherwise: the sampling is deferred.
+    structured_output_req_ids: frozenset[str] = frozenset()
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -63,6 +72,10 @@ class StepSnapshot:
     step_id: int
     req_ids: tuple[str, ...]  # row i of the step's sampled tokens belongs to req_ids[i]
     sample_positions: tuple[int | None, ...]  # token position each row samples; None: partial prefill
+
+    def sampled_req_ids(self) -> frozenset[str]:
+        """The requests whose newest token this step sampled (a partial prefill chunk's row did not)."""
+        return frozenset(r for r, p in zip(self.req_ids, self.sample_positions, strict=True) if p is not None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from neuron_async_sm.sampling_params import SamplingParams
 
@@ -60,6 +61,9 @@ class Request:
     speculating: bool = field(default=True, init=False, repr=False)
     # Prompt logprobs gathered chunk by chunk until the first output token carries them (None: none yet).
     prompt_logprobs: list | None = field(default=None, init=False, repr=False)
+    # Structured output: its llguidance matcher, which has taken exactly the tokens delivered (None:
+    # unconstrained). Owned by the scheduler (neuron_async_sm/structured_output.py).
+    grammar: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)

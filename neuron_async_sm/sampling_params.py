@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from neuron_async_sm.errors import NeuronAsyncSMError
 from neuron_async_sm.values import is_int, is_number
@@ -48,6 +49,9 @@ class SamplingParams:
     # tokens' (-1: the whole vocabulary). The engine caps N at EngineConfig.max_logprobs.
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token but the first (its entry is None)
+    # A grammar the output must match (JSON schema, regex, choice, Lark): a StructuredOutputsParams
+    # (neuron_async_sm/structured_output.py) or a dict of its fields; None: unconstrained.
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
@@ -77,6 +81,8 @@ class SamplingParams:
                 )
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos: must be true or false, got {self.ignore_eos!r}")
+        # structured_outputs (a dict or StructuredOutputsParams) is checked where its grammar is compiled:
+        # the scheduler's add_request (structured_output.as_structured_outputs), naming the field.
         if not is_int(self.n) or self.n < 1:
             raise InvalidRequestError(f"n: must be an integer >= 1, got {self.n!r}")
         if self.seed is not None and self.seed + self.n > 2**63:

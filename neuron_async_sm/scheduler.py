@@ -28,6 +28,7 @@ from neuron_async_sm.model.logprobs import MAX_VOCAB
 from neuron_async_sm.outputs import ModelRunnerOutput, NewRequestData, RequestDelta, SchedulerOutput, TokenLogprobs
 from neuron_async_sm.request import FinishReason, Request, RequestStatus
 from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
+from neuron_async_sm.structured_output import GrammarBitmask, GrammarCompiler
 from neuron_async_sm.values import is_int
 
 # Logits processing (model/logits_processors.py) and each parameter's "off" value: speculative
@@ -45,8 +46,17 @@ _PROCESSING_OFF = {
 class Scheduler:
     """Waiting and running queues, KV slots, the token budget, and stop conditions."""
 
-    def __init__(self, config: EngineConfig, *, eos_token_ids: tuple[int, ...], vocab_size: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        eos_token_ids: tuple[int, ...],
+        vocab_size: int,
+        grammars: GrammarCompiler | None = None,
+    ) -> None:
         self.config = config
+        # Structured output: compiles a request's grammar against the model's tokenizer (None: refused).
+        self.grammars = grammars
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.waiting: deque[Request] = deque()
@@ -104,6 +114,12 @@ class Scheduler:
         request.stop_token_set = frozenset(params.stop_token_ids).union(eos)
         request.max_outputs = min(params.max_tokens, self.config.max_model_len - len(prompt))
         request.max_computed_tokens = len(prompt) + request.max_outputs - 1
+        if params.structured_outputs is not None:
+            if self.num_spec_tokens:  # verification samples no mask, and drafts would need the grammar's check
+                raise InvalidRequestError("structured_outputs: not supported with speculative decoding yet")
+            if self.grammars is None:
+                raise InvalidRequestError("structured_outputs: this engine has no tokenizer to build a grammar over")
+            request.grammar = self.grammars.matcher(params.structured_outputs)  # InvalidRequestError naming the field
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -259,6 +275,7 @@ class Scheduler:
                 self.requests[req_id].num_sampling_in_flight += 1
             # The step's input is always [rows, L]: decode rows are chunks of 1 + drafts tokens.
             all_decode = False
+        masked = frozenset(r for r in sampling if self.requests[r].grammar is not None)
         output = SchedulerOutput(
             step_id=self._next_step_id,
             num_scheduled_tokens=num_scheduled,
@@ -268,11 +285,37 @@ class Scheduler:
             sampling_req_ids=frozenset(sampling),
             all_decode=all_decode,
             num_draft_tokens=drafts,
+            structured_output_req_ids=masked,
+            grammar_bitmask=self._bitmask_if_current(masked) if masked else None,
         )
         self._next_step_id += 1
         self._finished_since_schedule.clear()
         self._unapplied.append(output)
         return output
+
+    def _bitmask_if_current(self, masked: frozenset[str]) -> GrammarBitmask | None:
+        """The step's bitmask, when every masked request's grammar holds its newest token: its only
+        placeholder is this step's own. Otherwise None: the worker defers the step's sampling.
+
+        Hazard: stale mask. A mask built while a token is in flight would come from the grammar before it.
+        """
+        requests = self.requests
+        if any(requests[r].num_output_placeholders != 1 for r in masked):
+            return None
+        return self._bitmask(masked)
+
+    def grammar_bitmask(self, scheduled: SchedulerOutput) -> GrammarBitmask:
+        """The bitmask of `scheduled`'s masked rows from the grammars as they are now (a deferred step's,
+        built after the pending step was applied). A request finished meanwhile samples unmasked:
+        its token is discarded."""
+        return self._bitmask(scheduled.structured_output_req_ids)
+
+    def _bitmask(self, masked: frozenset[str]) -> GrammarBitmask:
+        assert self.grammars is not None
+        live = [r for r in sorted(masked) if not self.requests[r].is_finished]
+        matchers = [self.requests[r].grammar for r in live]
+        grammar_tokens = tuple(len(self.requests[r].output_token_ids) for r in live)
+        return GrammarBitmask(tuple(live), self.grammars.bitmask(matchers), grammar_tokens)
 
     # -- results ------------------------------------------------------------------------------------
 
@@ -302,6 +345,13 @@ class Scheduler:
                     token = tokens[req_id]
                     outputs = request.output_token_ids
                     outputs.append(token)
+                    # Hazard: grammar ownership. Only a delivered token advances the grammar.
+                    if request.grammar is not None and not request.grammar.consume_token(token):
+                        error = f"structured output: the grammar rejected token {token} ({request.grammar.get_error()})"
+                        self._finish(request, FinishReason.ERROR, error=error)
+                        append_delta(RequestDelta(req_id, [], FinishReason.ERROR.value, error))
+                        outputs.pop()
+                        continue
                     if token in request.stop_token_set:
                         reason = FinishReason.STOP
                     elif len(outputs) >= request.max_outputs:

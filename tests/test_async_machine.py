@@ -87,7 +87,7 @@ def test_observation_must_match_the_buffer_state():
 
 def test_steady_and_relay_are_the_async_steps():
     assert sm.ASYNC_STATES == {sm.STEADY, sm.RELAY}
-    assert set(sm.PATH_STATES) | {sm.IDLE, sm.REINSTATE} == set(sm.STATES)
+    assert set(sm.PATH_STATES) | set(sm.LAUNCH_STATES) | {sm.IDLE, sm.REINSTATE} == set(sm.STATES)
 
 
 def test_every_path_state_has_one_plan_and_only_path_states_have_one():

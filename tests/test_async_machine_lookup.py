@@ -10,19 +10,25 @@ from neuron_async_sm.worker import async_machine as sm
 
 
 def _observations() -> list[sm.StepObservation]:
-    """Every combination of the predicates' inputs: set, order, all-decode, shape, dtype, relay."""
+    """Every combination of the predicates' inputs: set, order, all-decode, shape, dtype, relay, and
+    (launch) which rows sample under a grammar."""
     prev = ("a", "b")
     currents = [("a", "b"), ("b", "a"), ("a",), ("a", "b", "c"), ("b", "c")]
     out = []
-    for pending, curr, decode, shape, dtype, relay in itertools.product(
-        (True, False), currents, (True, False), ((2,), (4,)), ("int32", "int64"), (False, True)
+    for pending, curr, decode, shape, dtype, relay, masked in itertools.product(
+        (True, False), currents, (True, False), ((2,), (4,)), ("int32", "int64"), (False, True), ((), ("a",), ("c",))
     ):
         before = prev if pending else ()
-        out.append(sm.StepObservation(pending, before, curr, decode, shape, dtype, (2,), "int32", relay))
+        out.append(
+            sm.StepObservation(
+                pending, before, curr, decode, shape, dtype, (2,), "int32", relay, frozenset(masked), frozenset(before)
+            )
+        )
     return out
 
 
 OBSERVATIONS = _observations()
+TRIGGERS = ("step", "launch", "reinstate", "drain")
 
 
 REFERENCE = sm.reference_machine()
@@ -44,6 +50,8 @@ def _lookup(state: str, trigger: str, obs: sm.StepObservation) -> str:
     try:
         if trigger == "step":
             machine.step(obs)
+        elif trigger == "launch":
+            machine.launch(obs)
         else:
             getattr(machine, trigger)()
     except MachineError:
@@ -55,7 +63,7 @@ def _lookup(state: str, trigger: str, obs: sm.StepObservation) -> str:
 
 
 @pytest.mark.parametrize("state", sm.STATES)
-@pytest.mark.parametrize("trigger", ("step", "reinstate", "drain"))
+@pytest.mark.parametrize("trigger", TRIGGERS)
 def test_lookup_equals_the_transitions_machine(state, trigger):
     compared = 0
     for obs in OBSERVATIONS:
@@ -71,7 +79,7 @@ def test_every_table_row_is_taken_somewhere():
     """The comparison above reaches every edge of the table (it is not vacuous)."""
     taken = set()
     for state, obs in itertools.product(sm.STATES, OBSERVATIONS):
-        for trigger in ("step", "reinstate", "drain"):
+        for trigger in TRIGGERS:
             got = _lookup(state, trigger, obs)
             if got not in ("MachineError", "contradiction"):
                 taken.add((trigger, state, got))

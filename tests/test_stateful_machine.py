@@ -10,7 +10,7 @@ later rows' conditions true as well, so "first matching row wins" is exercised. 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from hypothesis import note, settings
@@ -62,6 +62,7 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
         self.pending: Step | None = None  # the step whose sampled-token future the buffer holds
         self.current: Step | None = None  # the step in progress (machine in a path state)
         self.counts: Counter[str] = Counter()
+        self.launches: Counter[str] = Counter()  # steps with a masked row, by launch state
         RUNS["examples"] += 1
 
     def _observe(self, step: Step, relay: bool = False) -> sm.StepObservation:
@@ -167,6 +168,24 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
         self._step(sm.STEADY, Step(self.pending.req_ids, True, self.pending.output_shape), relay)
 
     @precondition(lambda self: self.state in sm.PATH_STATES)
+    @rule(data=st.data())
+    def launch(self, data: st.DataObject) -> None:
+        """A step with rows under a grammar: it defers its sampling exactly when a masked request's
+        newest token is in the pending future (the spec's MaskWaits)."""
+        rows = self.current.req_ids
+        masked = frozenset(data.draw(st.sets(st.sampled_from(rows), min_size=1)) if rows else ())
+        pending = frozenset(self.pending.req_ids) if self.pending is not None else frozenset()
+        obs = replace(self._observe(self.current), masked_req_ids=masked, pending_sampled_req_ids=pending)
+        dest = sm.SAMPLE_DEFERRED if masked & pending else sm.SAMPLE_IN_PROGRAM
+        note(f"launch -> {dest}: masked {sorted(masked)}, pending {sorted(pending)}")
+        transition = self.machine.launch(obs)
+        self.reported.append(transition)
+        assert transition.dest == dest
+        self.expected.append(("launch", self.state, dest))
+        self.state = dest
+        self.launches[dest] += 1
+
+    @precondition(lambda self: self.state in sm.PATH_STATES or self.state in sm.LAUNCH_STATES)
     @rule()
     def reinstate(self) -> None:
         self.reported.append(self.machine.reinstate())
@@ -221,6 +240,8 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
         assert self.machine.async_steps == self.counts[sm.STEADY] + self.counts[sm.RELAY]
         assert self.machine.async_steps + self.machine.sync_fallback_steps == sum(self.counts.values())
         assert self.machine.state_counts == {s: self.counts[s] for s in sm.PATH_STATES}
+        assert self.machine.launch_counts == {s: self.launches[s] for s in sm.LAUNCH_STATES}
+        assert self.machine.deferred_steps == self.launches[sm.SAMPLE_DEFERRED]
 
     @invariant()
     def every_transition_reported_once(self) -> None:

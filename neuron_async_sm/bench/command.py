@@ -21,7 +21,7 @@ from neuron_async_sm.bench import host_cost, peer, sweep
 from neuron_async_sm.bench.report import finite, machine, progress_bar
 from neuron_async_sm.bench.runner import batch_config, compare_modes, load_average
 from neuron_async_sm.bench.serve_command import add_serve_bench_parser
-from neuron_async_sm.bench.workloads import DEFAULT_NUM_REQUESTS, WORKLOADS, build_workload
+from neuron_async_sm.bench.workloads import DEFAULT_NUM_REQUESTS, WORKLOADS, build_workload, with_constraints
 from neuron_async_sm.config import ConfigError
 from neuron_async_sm.model.config import load_model_config
 from neuron_async_sm.runtime.devices import DeviceKind
@@ -72,6 +72,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-tokens", type=int, default=None, help="steady: output tokens per request (256)")
     p.add_argument(
         "--penalties", action="store_true", help="every request with presence/frequency/repetition penalties"
+    )
+    p.add_argument(
+        "--constrained-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="this share of the requests under a grammar (a JSON schema, a regex, a choice; the model "
+        "needs a tokenizer.json that can spell them)",
     )
     p.add_argument("--repetitions", type=int, default=5, help="recorded runs per mode (alternating)")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded runs per mode first")
@@ -221,6 +229,7 @@ def _compare_section(args: argparse.Namespace, show: bool) -> dict:
         vocab_size=vocab_size,
         penalties=args.penalties,
     ).with_logprobs(args.logprobs)
+    workload = with_constraints(workload, args.constrained_fraction)
     emulated = args.device == "cpu"  # the device process: pinning and its torch threads apply
     # xla (PJRT's CPU client here) computes in this process: its native threads get the device's CPU
     # (measured: docs/backends.md, "Where the CPU client computes"); a real accelerator needs no pinning.
@@ -251,6 +260,7 @@ def _compare_section(args: argparse.Namespace, show: bool) -> dict:
     section = result.to_json()
     section.update(workload=args.workload, num_requests=num_requests, model=args.model, config=config)
     section["penalties"] = args.penalties
+    section["constrained_fraction"] = args.constrained_fraction
     section["native_cpu"] = native_cpu
     _print_compare(section)
     return section
@@ -280,6 +290,11 @@ def _print_compare(section: dict) -> None:
         f"state_counts {section['state_counts']}; pairs redone because the machine was busy: "
         f"{section['excluded_pairs']}"
     )
+    if section["constrained_fraction"]:
+        print(
+            f"constrained fraction {section['constrained_fraction']}: launch_counts {section['launch_counts']}, "
+            f"deferred_step_fraction {section['deferred_step_fraction']:.3f}"
+        )
 
 
 def _print_sweep(data: dict) -> None:

@@ -107,6 +107,7 @@ def run_metrics(
         metrics["async_steps"] = counters["async_steps"]
         metrics["sync_fallback_steps"] = counters["sync_fallback_steps"]
         metrics["state_counts"] = counters["state_counts"]
+        metrics["launch_counts"] = counters["launch_counts"]
         metrics["async_step_fraction"] = counters["async_steps"] / steps
     return metrics
 

@@ -180,6 +180,7 @@ def _counters(before: dict, after: dict) -> dict:
         out["async_steps"] = after["async_steps"] - before["async_steps"]
         out["sync_fallback_steps"] = after["sync_fallback_steps"] - before["sync_fallback_steps"]
         out["state_counts"] = {k: v - before["state_counts"][k] for k, v in after["state_counts"].items()}
+        out["launch_counts"] = {k: v - before["launch_counts"][k] for k, v in after["launch_counts"].items()}
     return out
 
 
@@ -202,6 +203,10 @@ class ModeComparison:
             # Over every recorded async run: async (Steady and Relay) steps / all steps, and the steps per path state.
             "async_step_fraction": sum(counts[s] for s in ASYNC_STATES) / self.async_["steps_total"],
             "state_counts": counts,
+            # structured output: steps with a masked row, by when they sampled (SampleDeferred: after
+            # the step in flight was applied)
+            "launch_counts": self.async_["launch_counts"],
+            "deferred_step_fraction": self.async_["launch_counts"]["SampleDeferred"] / self.async_["steps_total"],
             "runs": self.runs,
         }
 

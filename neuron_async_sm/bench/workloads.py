@@ -21,12 +21,30 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from neuron_async_sm.engine.llm import PromptRequest
 from neuron_async_sm.sampling_params import SamplingParams
+from neuron_async_sm.structured_output import StructuredOutputsParams
 
 WORKLOADS = ("steady", "churn", "mixed")
+# `--constrained-fraction`: bounded grammars, round robin, each ending well within 100 tokens (a model
+# whose tokenizer can spell them: byte-level BPE or larger).
+BENCH_CONSTRAINTS = (
+    StructuredOutputsParams(
+        json={
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 6},
+                "age": {"type": "integer", "minimum": 0, "maximum": 99},
+            },
+            "required": ["name", "age"],
+            "additionalProperties": False,
+        }
+    ),
+    StructuredOutputsParams(regex=r"[a-c]{2,4}-[0-9]{1,3}"),
+    StructuredOutputsParams(choice=("yes", "no", "maybe")),
+)
 DEFAULT_NUM_REQUESTS = {"steady": 8, "churn": 64, "mixed": 48}
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
 
@@ -62,6 +80,21 @@ class Workload:
             PromptRequest(r.prompt_token_ids, r.sampling_params, f"{tag}-{r.request_id}", r.arrival_step)
             for r in self.requests
         ]
+
+
+def with_constraints(workload: Workload, fraction: float) -> Workload:
+    """`workload` with `fraction` of its requests (spread evenly) constrained by BENCH_CONSTRAINTS in
+    turn; a constrained request stops at its grammar's end (EOS), the others are unchanged."""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"constrained_fraction: must be in [0, 1], got {fraction}")
+    requests, k = [], 0
+    for i, r in enumerate(workload.requests):
+        if int((i + 1) * fraction) > int(i * fraction):
+            constraint = BENCH_CONSTRAINTS[k % len(BENCH_CONSTRAINTS)]
+            r = replace(r, sampling_params=replace(r.sampling_params, ignore_eos=False, structured_outputs=constraint))
+            k += 1
+        requests.append(r)
+    return Workload(workload.name, tuple(requests))
 
 
 def build_workload(

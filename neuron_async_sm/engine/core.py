@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from neuron_async_sm.config import ConfigError, EngineConfig
-from neuron_async_sm.engine.executor import Executor
+from neuron_async_sm.engine.executor import DeferredSampling, Executor
 from neuron_async_sm.engine.model_len import resolve_model_len
 from neuron_async_sm.engine.ranks import start_ranks
 from neuron_async_sm.engine.warmup import warmup_calls, warmup_shapes
@@ -30,7 +30,7 @@ from neuron_async_sm.model import (
     build_step_program,
     load_model_config,
 )
-from neuron_async_sm.model.config import model_directory
+from neuron_async_sm.model.config import model_directory, tokenizer_path
 from neuron_async_sm.model.loader import checkpoint_path
 from neuron_async_sm.model.parallel import TensorParallelGroup, build_sharded_step_program, check_divisible
 from neuron_async_sm.model.program import RelayPad
@@ -40,6 +40,7 @@ from neuron_async_sm.request import Request
 from neuron_async_sm.runtime import RuntimeFactory, create_runtime
 from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
 from neuron_async_sm.scheduler import Scheduler
+from neuron_async_sm.structured_output import GrammarCompiler
 from neuron_async_sm.trace import Tracer
 from neuron_async_sm.worker.drafts import SPEC_STEP_PROGRAM
 from neuron_async_sm.worker.model_input import logits_dtype
@@ -47,6 +48,7 @@ from neuron_async_sm.worker.model_runner import (
     LOGITS_PROGRAM,
     OUTPUT_RANK,
     RELAY_PAD_PROGRAM,
+    SAMPLE_PROGRAM,
     STEP_PROGRAM,
     ModelRunner,
     relay_width,
@@ -96,11 +98,22 @@ class StepProgramFactory:
         programs = {
             STEP_PROGRAM: program,
             LOGITS_PROGRAM: LogitsProgram(program),
+            SAMPLE_PROGRAM: SampleProgram(program),
             RELAY_PAD_PROGRAM: RelayPad(self.relay_width, device),
         }
         if self.spec_width:
             programs[SPEC_STEP_PROGRAM] = SpecStepProgram(program, self.spec_width)
         return programs
+
+
+class SampleProgram:
+    """The step's sampling alone, on the forward's logits (a future): a step whose mask waited."""
+
+    def __init__(self, program: StepProgram) -> None:
+        self.program = program
+
+    def __call__(self, *, logits: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        return self.program.sample(logits, **inputs)
 
 
 class LogitsProgram:
@@ -166,9 +179,9 @@ class EngineCore:
         ]
         self.runner = self.runners[OUTPUT_RANK]
         self.executor = Executor(self.runners, async_output=config.async_scheduling, device_cpu=config.device_cpu)
-        self.scheduler = Scheduler(
-            config, eos_token_ids=self.model_config.eos_token_ids, vocab_size=self.model_config.vocab_size
-        )
+        eos, vocab = self.model_config.eos_token_ids, self.model_config.vocab_size
+        grammars = GrammarCompiler(tokenizer_path(config.model), vocab_size=vocab, eos_token_ids=eos)
+        self.scheduler = Scheduler(config, eos_token_ids=eos, vocab_size=vocab, grammars=grammars)
         self._seed_base = config.seed * 1_000_003
         self._arrivals = 0
         # Async: steps enqueued on the worker whose output is not applied yet, oldest first.
@@ -230,6 +243,9 @@ class EngineCore:
         2. If the queue is still not full, return at once: the engine stays one step ahead.
         3. Otherwise wait for the oldest step's output (the async output thread materializes it) and
            apply it to the scheduler. The next call schedules the step after.
+        A step whose grammar mask waits for the step in flight (SampleDeferred, structured output)
+        enqueued its forward only: the oldest step is applied first (its tokens advance the grammars),
+        then the mask is built and the step's sampling enqueued; it joins the queue, alone in it.
         """
         assert self.batch_queue is not None
         observer = self.tracer.observer
@@ -238,11 +254,31 @@ class EngineCore:
                 scheduled = self.scheduler.schedule()
             if not scheduled.is_empty:
                 self.num_steps += 1
-                self.batch_queue.append(InFlightStep(scheduled, self.executor.execute_model_async(scheduled)))
+                launched = self.executor.execute_model_async(scheduled)
+                if isinstance(launched, DeferredSampling):
+                    return self._sample_deferred(launched)
+                self.batch_queue.append(InFlightStep(scheduled, launched))
                 if len(self.batch_queue) < BATCH_QUEUE_DEPTH:
                     return []
         if not self.batch_queue:
             return []
+        return self._apply_oldest()
+
+    def _sample_deferred(self, launched: DeferredSampling) -> list[RequestDelta]:
+        """The spec's AdvanceStep then DeferredSample: apply the step in flight, then sample the
+        deferred one under the mask its grammars give now."""
+        assert self.batch_queue is not None
+        # Hazard: stale mask. The grammars must take the pending step's tokens before the mask is built.
+        deltas = self._apply_oldest() if self.batch_queue else []
+        with self.tracer.observer.span("output"):  # host work of applying outputs
+            bitmask = self.scheduler.grammar_bitmask(launched.scheduled)
+        self.batch_queue.append(InFlightStep(launched.scheduled, self.executor.sample_tokens_async(bitmask)))
+        return deltas
+
+    def _apply_oldest(self) -> list[RequestDelta]:
+        """Wait for the oldest step's output and apply it to the scheduler (the spec's AdvanceStep)."""
+        assert self.batch_queue is not None
+        observer = self.tracer.observer
         oldest = self.batch_queue.popleft()
         scheduled = oldest.scheduled
         # Unbounded here, bounded below: the output thread waits only on the device, whose watchdog

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from neuron_async_sm.errors import NeuronAsyncSMError
 from neuron_async_sm.outputs import ModelRunnerOutput, SchedulerOutput
 from neuron_async_sm.runtime import keep_off_cpu
+from neuron_async_sm.structured_output import GrammarBitmask
 from neuron_async_sm.worker.async_output import OUTPUT_THREAD_NAME, AsyncModelRunnerOutput
 from neuron_async_sm.worker.model_runner import OUTPUT_RANK, ModelRunner
 
@@ -64,6 +65,13 @@ class PendingOutput:
     result: Future[ModelRunnerOutput]  # what the engine core waits on
 
 
+@dataclass(frozen=True)
+class DeferredSampling:
+    """A step whose forward is enqueued and whose sampling waits for its grammar mask (SampleDeferred)."""
+
+    scheduled: SchedulerOutput
+
+
 class Executor:
     """Runs `execute_model` + `sample_tokens` on every rank; returns the output rank's result."""
 
@@ -100,11 +108,24 @@ class Executor:
                 outputs.append(runner.sample_tokens())
         return outputs[self.output_rank]
 
-    def execute_model_async(self, scheduled: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        """Async mode: enqueue the step on every rank; a Future resolved by the async output thread."""
-        assert self._output_queue is not None, "executor was built without the async output thread"
+    def execute_model_async(self, scheduled: SchedulerOutput) -> Future[ModelRunnerOutput] | DeferredSampling:
+        """Async mode: enqueue the step on every rank; a Future resolved by the async output thread, or,
+        when the machine deferred its sampling (SampleDeferred), `DeferredSampling`: the forward is
+        enqueued and `sample_tokens_async` finishes the step once the caller has the mask."""
         self.execute_model(scheduled)
-        output = self.sample_tokens()
+        if self.runners[self.output_rank].sampling_deferred:
+            return DeferredSampling(scheduled)
+        return self.sample_tokens_async()
+
+    def sample_tokens_async(self, grammar_bitmask: GrammarBitmask | None = None) -> Future[ModelRunnerOutput]:
+        """Async mode: close the enqueued step on every rank (a deferred one samples under
+        `grammar_bitmask`); the Future the async output thread resolves."""
+        assert self._output_queue is not None, "executor was built without the async output thread"
+        outputs = []
+        for runner in self.runners:
+            with self._on_rank(runner.rank):
+                outputs.append(runner.sample_tokens(grammar_bitmask))
+        output = outputs[self.output_rank]
         assert isinstance(output, AsyncModelRunnerOutput)
         result: Future[ModelRunnerOutput] = Future()
         self._output_queue.put(PendingOutput(output, result))

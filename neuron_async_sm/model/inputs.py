@@ -37,6 +37,8 @@ STEP_INPUTS: tuple[StepInput, ...] = (
 INPUTS = {spec.name: spec for spec in STEP_INPUTS}
 STEP_INPUT_NAMES = tuple(INPUTS)
 FORWARD_INPUT_NAMES = STEP_INPUT_NAMES[:4]  # the logits-only forward's (no sampling)
+# the sampling parameters: a deferred step's forward leaves them to its sampling program (model_sample)
+SAMPLING_INPUT_NAMES = STEP_INPUT_NAMES[4:]
 
 
 def padding_inputs(shape: tuple[int, ...], scratch_slot: int) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from neuron_async_sm.model.config import LlamaConfig, load_model_config
+from neuron_async_sm.model.grammar_mask import apply_token_bitmask
 from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, padding_inputs
 from neuron_async_sm.model.kv_cache import KVCache
 from neuron_async_sm.model.llama import ForwardBatch, LlamaModel
@@ -102,10 +103,12 @@ class StepProgram:
         sample_logprobs: torch.Tensor | None = None,
         prompt_logprobs: torch.Tensor | None = None,
         prompt_targets: torch.Tensor | None = None,
+        token_bitmask: torch.Tensor | None = None,
         **processing: torch.Tensor,
     ) -> torch.Tensor:
         """Sampled token ids, int32 `[B]`; with logprobs asked, int32 `[B, 1 + width]`, the tokens in
-        column 0 (`model/logprobs.py`).
+        column 0 (`model/logprobs.py`). The forward (`forward_logits`) then the sampling (`sample`),
+        the two halves a step whose mask waited runs as two programs.
 
         The nine step inputs are declared in `model/inputs.py` (`STEP_INPUTS`: dtypes, shapes,
         padding). relay_tokens: integer `[P]`, the previous step's sampled tokens (a future);
@@ -114,31 +117,110 @@ class StepProgram:
         Logprobs (host inputs, int32 `[1]`): sample_logprobs, the top tokens per sampled token;
         prompt_logprobs, the top tokens per prompt position, with prompt_targets int32 `[B, L]`, the
         prompt token after each position (what its logprob is of; 0 where the row has none).
+        token_bitmask: int32 `[B, ceil(V/32)]`, the grammars' masks (`model/grammar_mask.py`); absent
+        when no row samples under a grammar.
         `processing`: the logits-processing inputs (`model/logits_processors.py`), all or none; a
         step with them writes its input ids into the token history and processes its logits before
         sampling (the logprobs are of the logits before it, vLLM's raw logprobs).
         """
+        with self._no_autograd():
+            logits = self.forward_logits(
+                input_ids=input_ids,
+                positions=positions,
+                query_lens=query_lens,
+                slot_ids=slot_ids,
+                relay_tokens=relay_tokens,
+                relay_rows=relay_rows,
+                prompt_logprobs=prompt_logprobs,
+                prompt_targets=prompt_targets,
+                **processing,
+            )
+            return self.sample(
+                logits,
+                positions=positions,
+                query_lens=query_lens,
+                slot_ids=slot_ids,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seeds=seeds,
+                output_index=output_index,
+                sample_logprobs=sample_logprobs,
+                prompt_logprobs=prompt_logprobs,
+                token_bitmask=token_bitmask,
+                **processing,
+            )
+
+    def forward_logits(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        query_lens: torch.Tensor,
+        slot_ids: torch.Tensor,
+        relay_tokens: torch.Tensor | None = None,
+        relay_rows: torch.Tensor | None = None,
+        prompt_logprobs: torch.Tensor | None = None,
+        prompt_targets: torch.Tensor | None = None,
+        **processing: torch.Tensor,
+    ) -> torch.Tensor:
+        """The step's forward (the KV writes, and the token history's with `processing`) without
+        sampling: logits `[B, vocab]` (host sampling, tests, and a step whose sampling is deferred).
+        With prompt_logprobs, the prompt positions' logprob blocks follow each row's logits:
+        `[B, vocab + L * w]`, in the logits' dtype (float32 values, exact in either), so a deferred
+        step's sampling program gets them with the logits, as one future."""
         if positions.dim() == 1 and input_ids.dim() == 2:  # a decode step fed a packed output
             input_ids = input_ids[:, 0]
         if relay_tokens is not None and relay_tokens.dim() == 2:
             relay_tokens = relay_tokens[:, 0]
         with self._no_autograd():
             batch = self._prepare(input_ids, positions, query_lens, slot_ids, relay_tokens, relay_rows)
-            dev = self.device
             processed = self._processing_inputs(processing)
-            # A host program runs the parts some row uses; a compiled one all (one program).
             parts = parts_used(processing) if processed is not None and self.packed else PARTS
             if processed is not None and "penalties" in parts:
                 # After _prepare: the ids are final (a future's token relayed in; under TP, the
                 # output rank's, broadcast), so the in-flight token is counted and ranks agree. A
                 # penalized request is in every step that computes its tokens: its history is whole.
                 self._write_history(batch)
-            every = None  # logits of every token: only a step with prompt logprobs computes them
             if prompt_logprobs is None:
-                logits = self._forward(batch)  # [B, vocab]
-            else:
-                logits, every = self.model.forward_every_token(batch, self.kv_cache)
+                return self._forward(batch)  # [B, vocab]
+            logits, every = self.model.forward_every_token(batch, self.kv_cache)
+            block = self._prompt_block(logits, every, query_lens, prompt_logprobs, prompt_targets)
+            return torch.cat([logits, block.to(logits.dtype)], dim=1)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        *,
+        positions: torch.Tensor,
+        query_lens: torch.Tensor,
+        slot_ids: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        seeds: torch.Tensor,
+        output_index: torch.Tensor,
+        sample_logprobs: torch.Tensor | None = None,
+        prompt_logprobs: torch.Tensor | None = None,
+        prompt_targets: torch.Tensor | None = None,  # used by the forward; a deferred step passes it here too
+        token_bitmask: torch.Tensor | None = None,
+        **processing: torch.Tensor,
+    ) -> torch.Tensor:
+        """Token ids int32 `[B]` (with logprobs asked, the packed `[B, 1 + width]`) from the forward's
+        output: processing, the grammar mask, sampling. Alone (the `model_sample` program) when a
+        grammar's mask waited for the previous step."""
+        del prompt_targets
+        dev = self.device
+        with self._no_autograd():
+            logits = logits.to(dev)
+            prompt_block = None
+            if prompt_logprobs is not None:  # the forward put the prompt blocks after the logits
+                vocab = self.config.vocab_size
+                logits, prompt_block = logits[:, :vocab], logits[:, vocab:].float()
             raw = logits  # what logprobs are taken from (vLLM's raw_logprobs): before any processing
+            processed = self._processing_inputs(processing)
+            # A host program runs the parts some row uses; a compiled one all (one program).
+            parts = parts_used(processing) if processed is not None and self.packed else PARTS
             if processed is not None:
                 num_computed = tokens_so_far(positions.numpy(), query_lens.numpy())  # [B]
                 length = self.spec.max_model_len if self.fixed_context else max(int(num_computed.max()), 1)
@@ -150,6 +232,8 @@ class StepProgram:
                     output_index.to(dev),
                     parts,
                 )
+            if token_bitmask is not None:
+                logits = apply_token_bitmask(logits, token_bitmask)
             tokens = sample_tokens(
                 logits,
                 temperature=temperature.to(dev),
@@ -161,40 +245,34 @@ class StepProgram:
             )
             if not self.packed or query_lens.numpy().min() == 0:  # padding rows return token 0
                 tokens = tokens.masked_fill(query_lens.to(dev) == 0, 0)
-            if sample_logprobs is None and prompt_logprobs is None:
+            if sample_logprobs is None and prompt_block is None:
                 return tokens.to(torch.int32)
-            lens = query_lens
-            return self._with_logprobs(tokens, raw, every, lens, sample_logprobs, prompt_logprobs, prompt_targets)
+            blocks = [] if sample_logprobs is None else [position_logprobs(raw, tokens, int(sample_logprobs[0]))]
+            if prompt_block is not None:
+                blocks.append(prompt_block)
+            return pack_output(tokens, blocks)
 
-    def _with_logprobs(
+    def _prompt_block(
         self,
-        tokens: torch.Tensor,
         logits: torch.Tensor,
-        every: torch.Tensor | None,
+        every: torch.Tensor,
         query_lens: torch.Tensor,
-        sample_logprobs: torch.Tensor | None,
-        prompt_logprobs: torch.Tensor | None,
+        prompt_logprobs: torch.Tensor,
         prompt_targets: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The packed output: tokens `[B]`, then the sampled tokens' block `[B, w]` (logits `[B, vocab]`),
-        then the prompt positions' blocks `[B, L, w]` (`every`: logits `[B, L, vocab]`, or packed
-        `[N, vocab]`, the real tokens row by row). The counts are host values: no device sync."""
-        blocks = []
-        if sample_logprobs is not None:
-            blocks.append(position_logprobs(logits, tokens, int(sample_logprobs[0])))
-        if prompt_logprobs is not None:
-            assert every is not None and prompt_targets is not None, "prompt_logprobs come with their targets"
-            top, (rows, length) = int(prompt_logprobs[0]), prompt_targets.shape
-            targets = prompt_targets.to(self.device).long().reshape(-1)  # [B * L]
-            if every.dim() == 3:  # padded: every position has logits
-                block = position_logprobs(every.reshape(rows * length, -1), targets, top)
-            else:  # packed: the real tokens' positions, row-major, are where their blocks go
-                lens = query_lens.numpy().astype(np.int64)
-                real = torch.from_numpy(np.flatnonzero(np.arange(length)[None, :] < lens[:, None])).to(self.device)
-                block = logits.new_zeros(rows * length, block_width(top), dtype=torch.float32)
-                block[real] = position_logprobs(every, targets[real], top)
-            blocks.append(block.reshape(rows, length, -1))
-        return pack_output(tokens, blocks)
+        """The prompt positions' logprob blocks, float32 `[B, L * w]` (`every`: logits `[B, L, vocab]`,
+        or packed `[N, vocab]`, the real tokens row by row). The counts are host values: no device sync."""
+        assert prompt_targets is not None, "prompt_logprobs come with their targets"
+        top, (rows, length) = int(prompt_logprobs[0]), prompt_targets.shape
+        targets = prompt_targets.to(self.device).long().reshape(-1)  # [B * L]
+        if every.dim() == 3:  # padded: every position has logits
+            block = position_logprobs(every.reshape(rows * length, -1), targets, top)
+        else:  # packed: the real tokens' positions, row-major, are where their blocks go
+            lens = query_lens.numpy().astype(np.int64)
+            real = torch.from_numpy(np.flatnonzero(np.arange(length)[None, :] < lens[:, None])).to(self.device)
+            block = logits.new_zeros(rows * length, block_width(top), dtype=torch.float32)
+            block[real] = position_logprobs(every, targets[real], top)
+        return block.reshape(rows, -1)
 
     def _processing_inputs(self, processing: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """The processing inputs on the device, or None when the step has none."""
@@ -209,14 +287,6 @@ class StepProgram:
             self.history.write(batch.write_index, batch.input_ids)
         else:
             self.history.write(batch.write_slots * self.spec.max_model_len + batch.positions, batch.input_ids)
-
-    def forward_logits(
-        self, *, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: torch.Tensor, slot_ids: torch.Tensor
-    ) -> torch.Tensor:
-        """The same forward (including the KV writes) without sampling: logits `[B, vocab]`, for tests."""
-        with self._no_autograd():
-            batch = self._prepare(input_ids, positions, query_lens, slot_ids)
-            return self._forward(batch)
 
     def compile(self, shapes: Sequence[tuple[int, ...]]) -> None:
         """Compile the forward for each padded input_ids shape (`[B]` decode, `[B, L]` prefill) now.

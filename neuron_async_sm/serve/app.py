@@ -44,6 +44,7 @@ from neuron_async_sm.serve.generation import (
     collect,
 )
 from neuron_async_sm.serve.metrics import ServerMetrics
+from neuron_async_sm.serve.structured_protocol import structured_outputs_of
 from neuron_async_sm.serve.tokenizer import ChatTemplateError, IncrementalText, ServedTokenizer
 from neuron_async_sm.values import is_int
 
@@ -209,6 +210,7 @@ class Server:
                 logit_bias=body.token_bias,
                 logprobs=logprobs,
                 prompt_logprobs=logprobs if body.prompt_logprobs_count is not None else None,
+                structured_outputs=structured_outputs_of(body.response_format, body.structured_outputs),
             )
         except InvalidRequestError as exc:
             raise invalid(exc) from exc

@@ -50,7 +50,8 @@ class GenerationEnded(Exception):
 def field_of(message: str) -> str | None:
     """Engine errors start with the field they are about ("max_tokens: ..."); the API calls the prompt `prompt`."""
     head = message.split(":", 1)[0]
-    return {"prompt_token_ids": "prompt"}.get(head, head) if head.isidentifier() else None
+    # a dotted path names a nested field: "response_format.json_schema.schema: ..."
+    return {"prompt_token_ids": "prompt"}.get(head, head) if head.replace(".", "_").isidentifier() else None
 
 
 def invalid(exc: Exception) -> ApiError:

@@ -18,6 +18,8 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from neuron_async_sm.serve.structured_protocol import ResponseFormat, StructuredOutputsField
+
 
 def _valid_unicode(text: str) -> str:
     try:
@@ -75,6 +77,9 @@ class _SamplingFields(_Strict):
     length_penalty: float = 1.0
     priority: int = 0
     spaces_between_special_tokens: bool = True
+    # structured output (serve/structured_protocol.py): OpenAI's, and vLLM's body field
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     logprobs_param: ClassVar[str] = "logprobs"  # the field that asks for logprobs, named in its errors
 

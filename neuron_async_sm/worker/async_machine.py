@@ -11,6 +11,13 @@ Between steps the machine rests in one of two states:
 - Reinstate: the previous step is pending: its output, whose sampled-token future may feed the next
   step and whose snapshot says which request owns each of its rows.
 `step` picks the path of the next step from the step's observations; `reinstate` ends every step.
+A step that samples under a grammar (structured output) fires `launch` between the two, which says
+when it samples (docs/structured-output.md; spec/StructuredOutput.tla):
+- SampleInProgram: every masked row's grammar holds its request's newest token: the mask is built
+  now and the one program samples under it.
+- SampleDeferred: a masked row's newest token is in the pending future: the forward is launched now
+  and sampling waits until the engine core has applied the pending step to the grammars.
+A step without a masked row never fires `launch`: it pays nothing for structured output.
 Each trigger returns the `Transition` it took: the machine never calls its caller back.
 
 Path states (each forward step takes exactly one; Steady and Relay count as async steps):
@@ -52,9 +59,12 @@ SHAPE_MISMATCH_REBUILD = "ShapeMismatchRebuild"
 REORDER_REMAP = "ReorderRemap"
 STEADY = "Steady"
 RELAY = "Relay"
+SAMPLE_IN_PROGRAM = "SampleInProgram"
+SAMPLE_DEFERRED = "SampleDeferred"
 
 PATH_STATES = (NO_PENDING_FUTURE, RELAY, COMPOSITION_BREAK, SHAPE_MISMATCH_REBUILD, REORDER_REMAP, STEADY)
-STATES = (IDLE, *PATH_STATES, REINSTATE)
+LAUNCH_STATES = (SAMPLE_IN_PROGRAM, SAMPLE_DEFERRED)
+STATES = (IDLE, *PATH_STATES, *LAUNCH_STATES, REINSTATE)
 ASYNC_STATES = frozenset({STEADY, RELAY})  # no host round trip: the main thread never waits on the future
 
 
@@ -71,6 +81,10 @@ class StepObservation:
     input_shape: tuple[int, ...]  # shape of this step's padded input_ids
     input_dtype: str
     relay: bool = False  # the engine relays (EngineConfig.async_relay): Relay replaces the fallbacks
+    # Structured output (the `launch` trigger's): requests of this step that sample under a grammar,
+    # and the requests whose newest token the pending future holds (its rows that sampled).
+    masked_req_ids: frozenset[str] = frozenset()
+    pending_sampled_req_ids: frozenset[str] = frozenset()
 
 
 # Predicates over one observation. Each is named for the situation it detects.
@@ -96,6 +110,11 @@ def relay_covers(obs: StepObservation) -> bool:
     return obs.relay and (composition_changed(obs) or future_does_not_fit(obs) or order_changed(obs))
 
 
+def mask_waits(obs: StepObservation) -> bool:
+    # A masked row's newest token is still a future: its grammar cannot have taken it yet.
+    return not obs.masked_req_ids.isdisjoint(obs.pending_sampled_req_ids)
+
+
 Predicate = Callable[[StepObservation], bool]
 
 CONDITIONS: dict[str, Predicate] = {
@@ -103,6 +122,7 @@ CONDITIONS: dict[str, Predicate] = {
     "composition_changed": composition_changed,
     "future_does_not_fit": future_does_not_fit,
     "order_changed": order_changed,
+    "mask_waits": mask_waits,
 }
 
 # The transition table. For one trigger and source, the first row whose condition holds wins.
@@ -113,7 +133,11 @@ TRANSITIONS: tuple[dict, ...] = (
     {"trigger": "step", "source": REINSTATE, "dest": SHAPE_MISMATCH_REBUILD, "conditions": "future_does_not_fit"},
     {"trigger": "step", "source": REINSTATE, "dest": REORDER_REMAP, "conditions": "order_changed"},
     {"trigger": "step", "source": REINSTATE, "dest": STEADY},
-    {"trigger": "reinstate", "source": list(PATH_STATES), "dest": REINSTATE},
+    # Hazard: stale mask. A mask built before the in-flight token reaches its grammar would let the
+    # row sample a token the grammar forbids (FreshMaskInv, MCMaskBeforeInFlightToken).
+    {"trigger": "launch", "source": list(PATH_STATES), "dest": SAMPLE_DEFERRED, "conditions": "mask_waits"},
+    {"trigger": "launch", "source": list(PATH_STATES), "dest": SAMPLE_IN_PROGRAM},
+    {"trigger": "reinstate", "source": [*PATH_STATES, *LAUNCH_STATES], "dest": REINSTATE},
     # A failure drops the pending future (shutdown does not: a shut-down engine is never stepped again).
     {"trigger": "drain", "source": list(STATES), "dest": IDLE},
 )
@@ -135,6 +159,19 @@ class StepPlan:
 
     materialize_first: bool  # bring the pending output to the host before the batch is updated
     input_source: InputSource
+
+
+@dataclass(frozen=True)
+class SamplePlan:
+    """When a step with a masked row samples; the runner reads it and never the state's name."""
+
+    split: bool  # the forward now, the sampling later under a mask the engine core builds then
+
+
+SAMPLE_PLANS: Mapping[str, SamplePlan] = MappingProxyType({
+    SAMPLE_IN_PROGRAM: SamplePlan(split=False),  # the mask the scheduler built is a program input
+    SAMPLE_DEFERRED:   SamplePlan(split=True),
+})  # fmt: skip
 
 
 # Each path state's plan: the spec's `Materializes` and `InputSource` (model_check checks they agree).
@@ -196,7 +233,7 @@ class Transition(NamedTuple):
 class AsyncStepMachine:
     """The runtime guard over TRANSITIONS (its lookup, `ROWS`), with step counters.
 
-    Its three calls are the table's triggers: `step(obs)`, `reinstate()`, `drain()`; each returns
+    Its calls are the table's triggers: `step(obs)`, `launch(obs)`, `reinstate()`, `drain()`; each returns
     the Transition it took. Illegal triggers raise `transitions.MachineError` and leave the state
     unchanged. It behaves as the `transitions` machine over the same table (`reference_machine()`;
     checked equal in tests/test_async_machine_lookup.py), at a tenth of its cost per step.
@@ -205,7 +242,9 @@ class AsyncStepMachine:
     def __init__(self) -> None:
         self.async_steps = 0
         self.sync_fallback_steps = 0
+        self.deferred_steps = 0  # steps whose sampling waited for the pending step (SampleDeferred)
         self.state_counts: dict[str, int] = {s: 0 for s in PATH_STATES}
+        self.launch_counts: dict[str, int] = {s: 0 for s in LAUNCH_STATES}  # steps with a masked row
         self._state = IDLE
 
     @property
@@ -225,6 +264,14 @@ class AsyncStepMachine:
             self.sync_fallback_steps += 1
         return transition
 
+    def launch(self, obs: StepObservation) -> Transition:
+        """Fire `launch` (a step with a masked row): when it samples is the transition's `dest`."""
+        transition = self._fire("launch", obs)
+        self.launch_counts[transition.dest] += 1
+        if transition.dest == SAMPLE_DEFERRED:
+            self.deferred_steps += 1
+        return transition
+
     def reinstate(self) -> Transition:
         return self._fire("reinstate")
 
@@ -235,7 +282,9 @@ class AsyncStepMachine:
         return {
             "async_steps": self.async_steps,
             "sync_fallback_steps": self.sync_fallback_steps,
+            "deferred_steps": self.deferred_steps,
             "state_counts": dict(self.state_counts),
+            "launch_counts": dict(self.launch_counts),
         }
 
     def _fire(self, trigger: str, obs: StepObservation | None = None) -> Transition:

@@ -21,9 +21,12 @@ from functools import partial
 import torch
 
 from neuron_async_sm.config import EngineConfig
+from neuron_async_sm.model.grammar_mask import apply_token_bitmask
+from neuron_async_sm.model.inputs import SAMPLING_INPUT_NAMES
 from neuron_async_sm.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput, StepSnapshot
 from neuron_async_sm.runtime import DeviceFuture, DeviceRuntime, TensorSpec
 from neuron_async_sm.runtime.messages import dtype_name
+from neuron_async_sm.structured_output import GrammarBitmask
 from neuron_async_sm.trace import Tracer
 from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.async_output import OUTPUT_THREAD_NAME, AsyncModelRunnerOutput
@@ -33,6 +36,7 @@ from neuron_async_sm.worker.model_input import SAMPLED_DTYPE, ModelInput, build_
 
 STEP_PROGRAM = "model_step"  # forward + on-device sampling -> token ids [B] int32
 LOGITS_PROGRAM = "model_logits"  # forward only -> logits [B, vocab], sampled on the host
+SAMPLE_PROGRAM = "model_sample"  # logits [B, vocab] (a future) + sampling inputs + bitmask -> token ids [B]
 RELAY_PAD_PROGRAM = "relay_pad"  # sampled tokens [P] -> [relay_width(config)]: the relay's input, fixed in shape
 OUTPUT_RANK = 0  # the design's TP0: the one rank whose outputs reach the scheduler and are written back
 
@@ -61,8 +65,10 @@ class ExecutedStep:
 
     scheduled: SchedulerOutput
     model_input: ModelInput
-    future: DeviceFuture  # the program's output: sampled tokens [B] (or logits [B, vocab], host sampling)
+    future: DeviceFuture  # the program's output: sampled tokens [B] (or logits [B, vocab], host sampling or split)
     trace: StepTrace | None  # None: not tracing
+    split: bool = False  # SampleDeferred: `future` is the forward's logits; sample_tokens samples them
+    token_bitmask: torch.Tensor | None = None  # int32 [B, W] host sampling's mask (None: no masked row)
 
 
 class ModelRunner:
@@ -104,6 +110,11 @@ class ModelRunner:
         self.num_draft_tokens = 0  # drafts proposed (speculative decoding)
         self.num_spec_rows = 0  # rows that verified at least one draft
 
+    @property
+    def sampling_deferred(self) -> bool:
+        """The step `execute_model` enqueued waits for its mask (SampleDeferred): pass it to sample_tokens."""
+        return self._executed is not None and self._executed.split
+
     # -- the step -----------------------------------------------------------------------------------
 
     def execute_model(self, scheduled: SchedulerOutput) -> None:
@@ -111,8 +122,13 @@ class ModelRunner:
         with self.tracer.observer.span("execute"):
             self._execute_model(scheduled)
 
-    def sample_tokens(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+    def sample_tokens(
+        self, grammar_bitmask: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """Close the step `execute_model` enqueued and return its output.
+
+        `grammar_bitmask`: a deferred step's mask (SampleDeferred), built by the engine core after it
+        applied the pending step; its sampling is enqueued now, on the forward's logits.
 
         Samples nothing itself: the program samples on the device (or, host sampling, its logits are
         sampled when the output materializes). Snapshots which request owns each row, then in sync
@@ -121,7 +137,7 @@ class ModelRunner:
         it), which stays the pending step the next step may feed on.
         """
         with self.tracer.observer.span("output"):
-            return self._sample_tokens()
+            return self._sample_tokens(grammar_bitmask)
 
     def _execute_model(self, scheduled: SchedulerOutput) -> None:
         if self._header_due:
@@ -131,7 +147,8 @@ class ModelRunner:
             StepTrace(scheduled.step_id, rows.req_ids, scheduled.scheduled_new_reqs) if self.tracer.enabled else None
         )
         # Sync mode (the reference) runs no machine: nothing is ever pending.
-        path = self._decide(scheduled, rows, trace) if self.use_async_scheduling else sm.NO_PENDING_FUTURE
+        obs = self._observe(scheduled, rows) if self.use_async_scheduling else None
+        path = self._decide(obs, trace) if obs is not None else sm.NO_PENDING_FUTURE
         plan = sm.PLANS[path]
         if plan.materialize_first:
             # Hazard: stale input ids. The newest token of these requests exists only in the pending
@@ -153,31 +170,91 @@ class ModelRunner:
             trace.relay_from = list(fed_rows) if plan.input_source is sm.InputSource.RELAYED_FUTURE else []
             trace.inputs = self._traced_inputs(plan.input_source, model_input, fed_rows)
         num_rows = rows.shape[0] if spec is None else model_input.num_rows  # B (a spec step's shape is rebuilt)
+        split, mask = self._launch(scheduled, obs, trace, model_input)
         if spec is not None:  # accepted tokens [B, 1 + k], -1 after each row's run
             out = TensorSpec((num_rows, spec.width), SAMPLED_DTYPE)
             future = self.runtime.enqueue(SPEC_STEP_PROGRAM, model_input.inputs, out)
+        elif split:  # SampleDeferred: the forward now; sample_tokens samples its logits under the mask
+            # The prompt's logprob blocks, when asked, come after each row's logits (StepProgram.forward_logits).
+            layout = model_input.logprobs.layout if model_input.logprobs is not None else None
+            prompt_width = layout.width - layout.sample_width if layout is not None else 0
+            out = TensorSpec((num_rows, self.vocab_size + prompt_width), logits_dtype(self.config.dtype))
+            # The forward takes the processing inputs too: a penalized row's history is written by it.
+            forward = {k: v for k, v in model_input.inputs.items() if k not in SAMPLING_INPUT_NAMES}
+            forward.pop("sample_logprobs", None)  # the sampling program's
+            future = self.runtime.enqueue(LOGITS_PROGRAM, {**forward, **fed}, out)
         elif model_input.logprobs is not None:  # the tokens in column 0, then the logprobs' float32 bits
             out = TensorSpec((num_rows, 1 + model_input.logprobs.layout.width), SAMPLED_DTYPE)
-            future = self.runtime.enqueue(STEP_PROGRAM, {**model_input.inputs, **fed}, out)
+            future = self.runtime.enqueue(STEP_PROGRAM, {**model_input.inputs, **fed, **mask}, out)
         elif self.config.on_device_sampling:
             out = self._sampled_specs.get(num_rows)
             if out is None:  # one per bucket, kept: a TensorSpec validates itself when built
                 out = self._sampled_specs[num_rows] = TensorSpec((num_rows,), SAMPLED_DTYPE)
-            future = self.runtime.enqueue(STEP_PROGRAM, {**model_input.inputs, **fed}, out)
+            future = self.runtime.enqueue(STEP_PROGRAM, {**model_input.inputs, **fed, **mask}, out)
         else:  # sync mode only (config validation): the program returns logits
             out = TensorSpec((num_rows, self.vocab_size), logits_dtype(self.config.dtype))
             future = self.runtime.enqueue(LOGITS_PROGRAM, model_input.forward_inputs(), out)
-        self._executed = ExecutedStep(scheduled, model_input, future, trace)
+        self._executed = ExecutedStep(scheduled, model_input, future, trace, split, mask.get("token_bitmask"))
 
-    def _sample_tokens(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+    def _launch(
+        self,
+        scheduled: SchedulerOutput,
+        obs: sm.StepObservation | None,
+        trace: StepTrace | None,
+        model_input: ModelInput,
+    ) -> tuple[bool, dict[str, torch.Tensor]]:
+        """A step with a masked row: whether its sampling is deferred (the machine's `launch`), and
+        otherwise the program's `token_bitmask` input (empty: no masked row, nothing to pay)."""
+        if not scheduled.structured_output_req_ids:
+            return False, {}
+        split = False
+        if obs is not None:  # async: the machine decides; sync mode never defers (every grammar is current)
+            transition = self.machine.launch(obs)
+            self._trace_transition(transition, trace)
+            split = sm.SAMPLE_PLANS[transition.dest].split
+        if split:
+            return True, {}
+        bitmask = scheduled.grammar_bitmask
+        # Hazard: stale mask. The machine samples in the program only when every masked row's grammar
+        # holds its newest token, which is exactly when the scheduler could build the mask.
+        assert bitmask is not None, (
+            f"step {scheduled.step_id}: no mask for masked rows {scheduled.structured_output_req_ids}"
+        )
+        return False, self._token_bitmask(scheduled.step_id, bitmask, model_input)
+
+    def _token_bitmask(self, step_id: int, bitmask: GrammarBitmask, model_input: ModelInput) -> dict[str, torch.Tensor]:
+        """The program's `token_bitmask` input, int32 [B, W], in this step's row order."""
+        if self.tracer.enabled:  # FreshMaskInv on real runs: which grammar state each masked row samples under
+            index = model_input.tensor("output_index").tolist()
+            row = {req_id: i for i, req_id in enumerate(model_input.req_ids)}
+            masks = [[r, n, index[row[r]]] for r, n in zip(bitmask.req_ids, bitmask.grammar_tokens, strict=True)]
+            self.tracer.event("mask", step=step_id, masks=masks)
+        # Hazard: mask ownership. Scattered by request id into the rows as this step orders them.
+        return {"token_bitmask": torch.from_numpy(bitmask.rows(model_input.req_ids, model_input.num_rows))}
+
+    def _sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         executed, self._executed = self._executed, None
         assert executed is not None, "sample_tokens() without execute_model()"
         model_input = executed.model_input
+        assert executed.split == (grammar_bitmask is not None), "a mask comes with, and only with, a deferred step"
+        if executed.split:
+            assert grammar_bitmask is not None
+            mask = self._token_bitmask(executed.scheduled.step_id, grammar_bitmask, model_input)
+            sampling = {k: v for k, v in model_input.inputs.items() if k != "input_ids"}
+            if model_input.logprobs is not None:  # packed as the fused program's: tokens, then the logprobs
+                out = TensorSpec((model_input.num_rows, 1 + model_input.logprobs.layout.width), SAMPLED_DTYPE)
+            elif (out := self._sampled_specs.get(model_input.num_rows)) is None:
+                out = self._sampled_specs[model_input.num_rows] = TensorSpec((model_input.num_rows,), SAMPLED_DTYPE)
+            future = self.runtime.enqueue(SAMPLE_PROGRAM, {"logits": executed.future, **sampling, **mask}, out)
+            executed = ExecutedStep(executed.scheduled, model_input, future, executed.trace)
         snapshot = StepSnapshot(executed.scheduled.step_id, model_input.req_ids, model_input.sample_positions)
         logprobs = model_input.logprobs
         host_sampler = None
         if not self.config.on_device_sampling and logprobs is None:  # sync only: the batch's token ids are complete
             host_sampler = partial(model_input.sample_on_host, token_ids=self.batch.token_ids)
+        if host_sampler is not None and executed.token_bitmask is not None:
+            mask, sample = executed.token_bitmask, host_sampler
+            host_sampler = lambda logits: sample(apply_token_bitmask(logits, mask))  # noqa: E731
         output = AsyncModelRunnerOutput(snapshot, executed.future, self.batch, self.tracer, host_sampler, logprobs)
         if not self.use_async_scheduling:
             # Normal Flow: block on the host copy (a non-output rank's is dropped unread).
@@ -195,11 +272,12 @@ class ModelRunner:
 
     # -- async plan ---------------------------------------------------------------------------------
 
-    def _decide(self, scheduled: SchedulerOutput, rows: StepRows, trace: StepTrace | None) -> str:
-        """The step's path state, as the machine decides it from the step's observations."""
+    def _observe(self, scheduled: SchedulerOutput, rows: StepRows) -> sm.StepObservation:
+        """What the machine decides this step's path (and launch) from."""
         pending = self.pending
         future = pending.future if pending is not None else None
-        obs = sm.StepObservation(
+        masked = scheduled.structured_output_req_ids
+        return sm.StepObservation(
             has_pending=pending is not None,
             prev_req_ids=pending.snapshot.req_ids if pending is not None else (),
             curr_req_ids=rows.req_ids,
@@ -209,7 +287,14 @@ class ModelRunner:
             input_shape=rows.shape,
             input_dtype=_SAMPLED_DTYPE_NAME,
             relay=self.config.async_relay,
+            masked_req_ids=masked,
+            pending_sampled_req_ids=pending.snapshot.sampled_req_ids()
+            if pending is not None and masked
+            else frozenset(),
         )
+
+    def _decide(self, obs: sm.StepObservation, trace: StepTrace | None) -> str:
+        """The step's path state, as the machine decides it from the step's observations."""
         transition = self.machine.step(obs)
         self._trace_transition(transition, trace)
         return transition.dest

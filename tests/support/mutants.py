@@ -43,3 +43,16 @@ WRITE_BACK_BY_CURRENT_ROW = (
 def mutant_env(root: Path) -> dict[str, str]:
     """This process's environment with the mutant package at `root` first on PYTHONPATH."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+
+
+# Structured output's stale mask (the spec's MCMaskBeforeInFlightToken, run for real): a deferred step's
+# mask is built before the step in flight is applied, i.e. from each grammar before its newest token.
+MASK_BEFORE_IN_FLIGHT_TOKEN = (
+    "engine/core.py",
+    "        deltas = self._apply_oldest() if self.batch_queue else []\n"
+    '        with self.tracer.observer.span("output"):  # host work of applying outputs\n'
+    "            bitmask = self.scheduler.grammar_bitmask(launched.scheduled)\n",
+    '        with self.tracer.observer.span("output"):  # MUTANT: before the step in flight is applied\n'
+    "            bitmask = self.scheduler.grammar_bitmask(launched.scheduled)\n"
+    "        deltas = self._apply_oldest() if self.batch_queue else []\n",
+)
