@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from support.faulty_runtime import faulty_runtime
-from support.mutants import WRITE_BACK_BY_CURRENT_ROW, mutant_env, mutant_package
+from support.mutants import NO_GET_OUTPUT_LOCK, WRITE_BACK_BY_CURRENT_ROW, mutant_env, mutant_package
 from support.processes import config_flags, generate_argv
 from support.workloads import drive, prompt_lines, random_workload
 from tlc import PARALLEL_RUNS
@@ -258,12 +258,7 @@ def test_trace_of_an_engine_killed_by_a_failing_program_is_a_behaviour_of_the_sp
 
 def test_trace_of_an_engine_without_the_get_output_lock_is_rejected(tlc_available, tmp_path):
     # The mutant: get_output() without its lock. Both threads then materialize one output.
-    root = mutant_package(
-        tmp_path,
-        "worker/async_output.py",
-        "self._lock = threading.Lock()",
-        "self._lock = __import__('contextlib').nullcontext()  # MUTANT: no lock",
-    )
+    root = mutant_package(tmp_path, *NO_GET_OUTPUT_LOCK)
     for seed in SEEDS:  # relay off: only a break or a rebuild materializes on the main thread
         events = record_mutant(root, seed, device_time_ms=5, async_relay=False)
         per_step = Counter(e["step"] for e in events if e["event"] == "Materialize")

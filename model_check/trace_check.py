@@ -342,6 +342,9 @@ def trace_log_module(
         # Programs may fail only in a trace that shows a failure: an error or a drained engine.
         f"TraceAllowFailure == {tla(any(r['event'] == 'drain' or not r['ok'] for r in trace.records))}",
         f"TraceAsyncRelay == {tla(bool(config.get('async_relay', False)))}",  # traces from before the relay: off
+        f"TraceEngineCore == {tla(config.get('engine_core', 'ours'))}",  # "vllm": the plugin under vLLM's engine
+        # vLLM's uni-process executor: the engine thread itself calls get_output() in order
+        f"TraceOutputOnEngineThread == {tla(threads[0] == threads[1])}",
         f"TracePrintEnd == {tla(stop < len(trace.records))}",  # a part with a successor prints its end states
         "TraceStart == {" + ",\n  ".join(start_states or []) + "}",
         "TraceEvents == <<",

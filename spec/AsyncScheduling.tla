@@ -17,6 +17,8 @@
 (* - With AsyncRelay, a step whose future cannot be the input as it is     *)
 (*   builds its input ids on the device instead: each row takes its token  *)
 (*   from the previous future by a row map, or its host-known id (Relay).  *)
+(* - EngineCore: our engine core or vLLM's drives the worker; they differ  *)
+(*   in when a finishing request leaves the batch and when aborts apply.   *)
 (*                                                                         *)
 (* Tokens are abstract: Tok(r, k) is the k-th output token of request r.   *)
 (* A row that computes from a wrong input samples a Corrupt token.         *)
@@ -73,6 +75,21 @@ OverrideOn(f, g, S) ==
 Override(f, g) == OverrideOn(f, g, DOMAIN g)
 \* Every step schedules at least one prefill chunk or decode token.
 StepBound == Len(Requests) * (MaxChunks + MaxOf(Range(MaxTokens)))
+
+\* Which engine core drives the worker. Not a constant: a model replaces it (<-), as it does MayStop.
+\* "ours" (engine/): with the relay on, a request left out by the pipelining gap gives its KV slot
+\* back at once (Released), and a client's abort is applied at the top of the loop only. "vllm"
+\* (vLLM's EngineCore and scheduler driving our worker, vllm_plugin/): a request keeps its KV blocks,
+\* and its row in the worker's batch, until it finishes, relay or not; and an abort that arrives while
+\* the engine core waits on its oldest step is applied once that step's output has resolved, just
+\* before it is applied (EngineCore._process_aborts_queue in step_with_batch_queue), besides the
+\* ones applied at the top of the loop.
+EngineCore == "ours"
+\* Who calls get_output() on every output in order: a thread of its own (our async output thread,
+\* vLLM's mp worker's output-copy thread), or, under vLLM's uni-process executor, the engine thread
+\* itself, inside its wait for the oldest step (AsyncOutputFuture.result()). The spec's "output"
+\* thread is that role; on the engine thread it acts only while the engine waits (or dies).
+OutputOnEngineThread == FALSE
 
 ASSUME /\ Depth = 2
        /\ MaxOf(Buckets) >= MaxSeqs
@@ -218,8 +235,17 @@ Stop(r) ==  \* r finishes now: nothing it samples later is delivered
     /\ stopLen' = [stopLen EXCEPT ![r] = Len(delivered[r])]
     /\ finishedIds' = IF status[r] = "running" THEN finishedIds \cup {r} ELSE finishedIds
 
+\* A step's output is resolved once no thread still has to materialize it.
+Resolved(s) == s \notin Range(outQueue)
+
+\* Where the engine core applies a client's abort: at the top of its loop; vLLM's also after its
+\* oldest step's output resolved and before that output is applied (with two steps in flight).
+AbortPoint ==
+    \/ pc["main"] = "top"
+    \/ EngineCore = "vllm" /\ pc["main"] = "wait" /\ batchQueue # <<>> /\ Resolved(Head(batchQueue))
+
 Abort(r) ==
-    /\ pc["main"] = "top"
+    /\ AbortPoint
     /\ r \in MayAbort
     /\ status[r] \in {"waiting", "running"}
     /\ Stop(r)
@@ -238,10 +264,11 @@ IsRunning(r) == status[r] = "running"
 IsWaiting(r) == status[r] = "waiting"
 Schedulable(r) == phase[r] = "prefill" \/ Len(delivered[r]) + placeholders[r] < MaxTokens[r]
 
-\* With the relay on, a request whose last token is in flight gives its KV slot back when it is left
-\* out (scheduler._release_slot): it no longer holds a slot and leaves the worker's rows, while it
-\* stays running until that token is applied. With the relay off it holds the slot until then.
-Released == IF AsyncRelay THEN {r \in ReqSet : IsRunning(r) /\ ~Schedulable(r)} ELSE {}
+\* With the relay on, a request whose last token is in flight gives its KV slot back when our
+\* scheduler leaves it out (scheduler._release_slot): it no longer holds a slot and leaves the
+\* worker's rows, while it stays running until that token is applied. With the relay off, and under
+\* vLLM's scheduler (its blocks are freed when the request finishes), it holds the slot until then.
+Released == IF AsyncRelay /\ EngineCore = "ours" THEN {r \in ReqSet : IsRunning(r) /\ ~Schedulable(r)} ELSE {}
 
 Schedules ==
     LET run == SelectSeq(Requests, IsRunning)
@@ -349,7 +376,10 @@ Relay == StepReady /\ \E p \in Plans : p.path = "Relay" /\ TakePath(p)
 (* on the pending one when it breaks the async flow.                         *)
 
 Target(t) == IF t = "main" THEN pending ELSE Head(outQueue)
-Calling(t) == IF t = "main" THEN pc["main"] = "get" ELSE pc["output"] = "get" /\ outQueue # <<>>
+\* The output role on the engine thread (OutputOnEngineThread) runs inside the engine core's wait for
+\* its oldest step, or while the dying engine resolves what it holds.
+OutputRoleFree == ~OutputOnEngineThread \/ pc["main"] \in {"wait", "failing"}
+Calling(t) == IF t = "main" THEN pc["main"] = "get" ELSE pc["output"] = "get" /\ outQueue # <<>> /\ OutputRoleFree
 Returned(t, ok) ==  \* get_output() returned (ok) or raised; the output thread resolves the engine's future
     IF t = "main" THEN pc' = [pc EXCEPT !["main"] = IF ok THEN "exec" ELSE "failing"] /\ outQueue' = outQueue
     ELSE pc' = [pc EXCEPT !["output"] = "get"] /\ outQueue' = Tail(outQueue)
@@ -486,8 +516,6 @@ WaitOldest ==  \* the queue is full, or nothing can be scheduled: wait for the o
     /\ pc' = [pc EXCEPT !["main"] = "wait"]
     /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
                    mstate, rows, host, pending, cur, stateLock, numAsync, numSync, steps, outQueue, ran>>
-
-Resolved(s) == s \notin Range(outQueue)
 
 \* Requests whose newest token may turn out to be EOS or a stop token: any of them. (Trace
 \* validation overrides it with the ones its trace never schedules again, to prune early.)
@@ -641,6 +669,10 @@ RemapBesideSteadyUnreached == ~(Adjacent("ReorderRemap", "Steady") \/ Adjacent("
 \* With MayStop excluding MayAbort: an abort, and an EOS, each with the request's next token in flight.
 AbortInFlightUnreached == ~\E r \in MayAbort : StoppedInFlight(r)
 EosInFlightUnreached == ~\E r \in ReqSet \ MayAbort : StoppedInFlight(r)
+\* vLLM's engine core: an abort applied while both steps in flight sample for the request (its token
+\* of the oldest already materialized, the other's still on the device; both must be discarded). Our
+\* engine core aborts at the top of its loop, where at most one step is in flight: there it holds.
+AbortWithTwoInFlightUnreached == ~\E r \in MayAbort : StoppedEarly(r) /\ placeholders[r] = Depth
 \* A program failed while two steps were in flight.
 FailureWithTwoInFlightUnreached == ~\E s \in 1..Len(steps) : ~steps[s].ok /\ Len(batchQueue) = Depth
 \* Every path state the relay switch allows (with it on, Relay takes every fallback's place), an

@@ -23,6 +23,11 @@ MCSteadyMaxTokens == [r \in {"a", "b", "c"} |-> 4]
 \* Only requests that may not be aborted stop on EOS: an early stop of "b" is then an abort.
 MCStopNotAborted == {"a", "c"}
 
+\* vLLM's engine core drives the worker (EngineCore); under its uni-process executor the engine
+\* thread also calls get_output() in order (OutputOnEngineThread).
+MCVllm == "vllm"
+MCOutputOnEngineThread == TRUE
+
 \* TLC must find nothing to start from; used by the generated cross-check modules (ASSUMEs only).
 NoInit == Init /\ FALSE
 =============================================================================

@@ -39,11 +39,18 @@ OnceMaxSeqs == TraceMaxSeqs
 OnceMaxChunks == TraceMaxChunks
 OnceAllowFailure == TraceAllowFailure
 OnceAsyncRelay == TraceAsyncRelay
+OnceEngineCore == TraceEngineCore
+OnceOutputOnEngineThread == TraceOutputOnEngineThread
 
 traceVars == <<vars, l, engineCounts, pathCounts>>
 
-\* Thread identity from the trace's header: the engine loop is the thread it names.
-ThreadOf(name) == IF name = TraceEngineThread THEN "main" ELSE "output"
+\* Thread identity from the trace's header: the engine loop is the thread it names. Under vLLM's
+\* uni-process executor that thread also plays the output thread's part (OutputOnEngineThread): its
+\* event is the output role's while it waits on its oldest step (or dies), the main thread's else.
+ThreadOf(name) ==
+    IF name # TraceEngineThread THEN "output"
+    ELSE IF OutputOnEngineThread /\ OutputRoleFree THEN "output"
+    ELSE "main"
 
 \* A long trace is checked in parts (model_check/trace_check.py): a part after the first starts from
 \* the states its predecessor ended in (TraceStart), with the history no action reads again taken out.
@@ -178,7 +185,15 @@ Logged ==
 JustInTime == arrived < Len(Requests) /\ TraceAdmittedAt[Requests[arrived + 1]] = TraceNextStep[l]
 
 \* get_output() takes the output's lock just before the materialization the trace shows next.
-Enters(t) == NextIs({"Materialize"}) /\ ThreadOf(Ev.thread) = t /\ Ev.step + 1 = Target(t)
+\* (Calling first: the output thread's Target is the head of a queue that may be empty.)
+Enters(t) == NextIs({"Materialize"}) /\ ThreadOf(Ev.thread) = t /\ Calling(t) /\ Ev.step + 1 = Target(t)
+
+\* The engine core starts to wait on its oldest step just before the trace shows it applying that step,
+\* draining, or (vLLM's) applying an abort or, on the uni-process executor, materializing the step.
+WaitsNext ==
+    \/ NextIs({"AdvanceStep", "drain"})
+    \/ EngineCore = "vllm" /\ NextIs({"Abort"})
+    \/ OutputOnEngineThread /\ NextIs({"Materialize"}) /\ Ev.thread = TraceEngineThread
 
 Silent ==
     /\ l <= Len(TraceEvents)
@@ -187,7 +202,7 @@ Silent ==
           /\ \/ JustInTime /\ AddRequest  \* the cheap tests first: the actions rebuild functions
              \/ \E t \in Threads : Enters(t) /\ GetOutput(t)
              \/ \E t \in Threads : GetOutputCached(t)
-             \/ NextIs({"AdvanceStep", "drain"}) /\ WaitOldest  \* the cheap test first: WaitOldest plans
+             \/ WaitsNext /\ WaitOldest  \* the cheap test first: WaitOldest plans
     /\ UNCHANGED <<l, engineCounts, pathCounts>>
 
 \* The state as one record, printed for the next part of a long trace to start from.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,7 +36,7 @@ from neuron_async_sm.trace import StepObserver, Tracer
 from neuron_async_sm.vllm_plugin.batch import BatchTranslator
 from neuron_async_sm.vllm_plugin.config import PluginOptions, engine_config
 from neuron_async_sm.vllm_plugin.engine_hooks import EVENTS_ATTR, ORDINAL_ATTR
-from neuron_async_sm.worker.async_output import OUTPUT_THREAD_NAME, AsyncModelRunnerOutput
+from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput
 from neuron_async_sm.worker.model_runner import ModelRunner, relay_width
 
 logger = logging.getLogger("neuron_async_sm")
@@ -174,8 +175,10 @@ class NeuronAsyncSMWorker(WorkerBase):
             vocab_size=model.vocab_size,
             rank=self.rank,
             tracer=self.tracer,
-            # who materializes outputs in order: vLLM's mp worker thread, else vLLM's engine thread
-            output_thread=VLLM_OUTPUT_THREAD if mp else OUTPUT_THREAD_NAME,
+            # who materializes outputs in order: vLLM's mp worker thread, else vLLM's engine thread (this
+            # one: the uni-process executor calls every worker method on it)
+            output_thread=VLLM_OUTPUT_THREAD if mp else threading.current_thread().name,
+            engine_core="vllm",
         )
         self.translator = BatchTranslator(config.max_num_seqs, config.max_model_len, config.seed)
 

@@ -84,9 +84,12 @@ class ModelRunner:
         rank: int = 0,
         tracer: Tracer = Tracer.NONE,
         output_thread: str = OUTPUT_THREAD_NAME,
+        engine_core: str = "ours",
     ) -> None:
         """`output_thread`: the name of the thread that materializes outputs in order, for the trace's
-        header (ours: engine/executor.py's; under vLLM's mp executor, its worker's output-copy thread).
+        header (ours: engine/executor.py's; under vLLM's mp executor, its worker's output-copy thread;
+        under its uni-process executor, the engine thread). `engine_core`: which engine core drives
+        this runner, for the trace's header: "ours" or "vllm" (the spec's EngineCore).
         `eos_token_ids`: the model's, which min_tokens holds back with a request's stop_token_ids."""
         self.config = config
         self.runtime = runtime
@@ -97,6 +100,7 @@ class ModelRunner:
         self.is_output_rank = rank == OUTPUT_RANK
         self.tracer = tracer
         self.output_thread = output_thread
+        self.engine_core = engine_core
         self.use_async_scheduling = config.async_scheduling
         self.vocab_size = vocab_size
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, eos_token_ids)
@@ -387,6 +391,7 @@ class ModelRunner:
             async_relay=self.config.async_relay,
             engine_thread=threading.current_thread().name,  # the engine loop: it runs every step
             output_thread=self.output_thread,
+            engine_core=self.engine_core,
         )
 
     def _traced_inputs(self, source: sm.InputSource, model_input: ModelInput, fed_rows: Sequence[int]) -> list[list]:

@@ -39,6 +39,14 @@ WRITE_BACK_BY_CURRENT_ROW = (
     "            self.write_tokens(owners, snapshot.sample_positions, tokens)\n",
 )
 
+# get_output() without its lock: vLLM's (or our) output thread and the worker's main thread, breaking the
+# async flow, may then both materialize one output. model_check and the vLLM lane expect its trace rejected.
+NO_GET_OUTPUT_LOCK = (
+    "worker/async_output.py",
+    "self._lock = threading.Lock()",
+    "self._lock = __import__('contextlib').nullcontext()  # MUTANT: no lock",
+)
+
 
 def mutant_env(root: Path) -> dict[str, str]:
     """This process's environment with the mutant package at `root` first on PYTHONPATH."""
