@@ -36,6 +36,7 @@ from neuron_async_sm.trace import StepObserver, Tracer
 from neuron_async_sm.vllm_plugin.batch import BatchTranslator
 from neuron_async_sm.vllm_plugin.config import PluginOptions, engine_config
 from neuron_async_sm.vllm_plugin.engine_hooks import EVENTS_ATTR, ORDINAL_ATTR
+from neuron_async_sm.vllm_plugin.ranks import PeerDevices
 from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput
 from neuron_async_sm.worker.model_runner import ModelRunner, relay_width
 
@@ -60,14 +61,16 @@ def vllm_output(output: ModelRunnerOutput, sampling: frozenset[str]) -> VllmMode
 class VllmAsyncOutput(VllmAsyncModelRunnerOutput):
     """vLLM's handle on one step's output: our output object, which materializes exactly once."""
 
-    def __init__(self, output: AsyncModelRunnerOutput, sampling: frozenset[str]) -> None:
+    def __init__(self, output: AsyncModelRunnerOutput, sampling: frozenset[str], peers: PeerDevices) -> None:
         self.output = output
         self.sampling = sampling
+        self.peers = peers
 
     def get_output(self) -> VllmModelRunnerOutput:
         # Hazard: double materialization. vLLM's thread and our runner (a step that breaks the async
         # flow) may both ask; our output's lock lets one of them transfer and write back.
-        return vllm_output(self.output.get_output(), self.sampling)
+        with blamed(self.peers):
+            return vllm_output(self.output.get_output(), self.sampling)
 
     def get_kv_connector_output(self) -> None:
         return None  # no KV connector
@@ -83,6 +86,18 @@ class OutputCounter(StepObserver):
 
     def write_back(self, snapshot: StepSnapshot, tokens: list[int]) -> None:
         self.materialized += 1
+
+
+@contextmanager
+def blamed(peers: PeerDevices) -> Iterator[None]:
+    """An error inside names the tensor-parallel rank that failed (vLLM logs a non-output rank's own)."""
+    try:
+        yield
+    except Exception as exc:
+        error = peers.blame(exc)
+        if error is exc:
+            raise
+        raise error from exc
 
 
 @contextmanager
@@ -137,7 +152,8 @@ class NeuronAsyncSMWorker(WorkerBase):
 
     def _rendezvous_port(self) -> int:
         """The port our ranks' device processes meet on, chosen by rank 0 and told to the others over a
-        gloo group of vLLM's worker processes (vLLM's own init method: they all have it)."""
+        gloo group of vLLM's worker processes (vLLM's own init method: they all have it). The group
+        stays until the devices have started (`_swap_device_pids`)."""
         import torch.distributed as dist
 
         dist.init_process_group(
@@ -147,10 +163,18 @@ class NeuronAsyncSMWorker(WorkerBase):
             world_size=self.tp_size,
             timeout=timedelta(seconds=120),
         )
+        box = [free_port() if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return int(box[0])
+
+    def _swap_device_pids(self) -> PeerDevices:
+        """Every rank's device process id, over the start-up group, which then goes."""
+        import torch.distributed as dist
+
         try:
-            box = [free_port() if self.rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            return int(box[0])
+            pids: list[int | None] = [None] * self.tp_size
+            dist.all_gather_object(pids, getattr(self.runtime, "device_pid", None))
+            return PeerDevices(self.rank, tuple(pids))
         finally:
             dist.destroy_process_group()
 
@@ -166,6 +190,7 @@ class NeuronAsyncSMWorker(WorkerBase):
         factory = StepProgramFactory(model_spec(config), relay_width(config), group)
         with device_process_allowed():
             self.runtime = start_rank(config, factory, warmup_calls(config, model.vocab_size))
+        self.peers = self._swap_device_pids() if self.tp_size > 1 else PeerDevices(self.rank)
         self.tracer = Tracer(config.trace_path)
         self.tracer.observe(self.counter)
         mp = self.parallel_config.distributed_executor_backend == "mp"
@@ -231,7 +256,8 @@ class NeuronAsyncSMWorker(WorkerBase):
         if last is not None and last.materialize_count == 0:
             self.overlapped_steps += 1  # vLLM has not read the previous step yet: one step in flight
         self._step = step
-        self.runner.execute_model(step)
+        with blamed(self.peers):
+            self.runner.execute_model(step)
         self._maybe_log_stats()
         return None
 
@@ -240,7 +266,8 @@ class NeuronAsyncSMWorker(WorkerBase):
             raise NotImplementedError("neuron_async_sm: structured outputs are not supported")
         step, self._step = self._step, None
         assert step is not None, "sample_tokens() without a step"
-        output = self.runner.sample_tokens()
+        with blamed(self.peers):
+            output = self.runner.sample_tokens()
         self.counter.created += 1  # one output per step, whatever the mode or rank
         if isinstance(output, ModelRunnerOutput):  # sync mode, output rank: the tokens are here
             return vllm_output(output, step.sampling_req_ids)
@@ -248,7 +275,7 @@ class NeuronAsyncSMWorker(WorkerBase):
             return EMPTY_MODEL_RUNNER_OUTPUT  # sync mode, another rank: vLLM drops it unread
         self._last_output = output
         # On a non-output rank vLLM never calls get_output(): our runner feeds its future forward.
-        return VllmAsyncOutput(output, step.sampling_req_ids)
+        return VllmAsyncOutput(output, step.sampling_req_ids, self.peers)
 
     # -- observability and shutdown -----------------------------------------------------------------
 
@@ -276,6 +303,7 @@ class NeuronAsyncSMWorker(WorkerBase):
             "kv_cache_blocks": self.num_blocks,
             "free_kv_slots": self.translator.num_free_slots,
             "restarts": self.translator.restarts,
+            "device_pid": getattr(self.runtime, "device_pid", None),  # None: the in-process device
         }
         if self.runner.use_async_scheduling:
             stats.update(self.runner.machine.counters())

@@ -105,7 +105,31 @@ def case_runs(args: dict) -> dict:
     return results
 
 
-CASES = {"platform": case_platform, "runs": case_runs}
+def case_kill_rank(args: dict) -> dict:
+    """One engine: requests running, then a rank's device process killed (SIGKILL); the engine goes on
+    stepping until it fails. Returns the error the client saw and the ranks' device process ids."""
+    import os
+    import signal
+
+    llm = _engine(args["ckpt"], args["run"])
+    pids = [stats["device_pid"] for stats in llm.collective_rpc("neuron_async_sm_stats")]
+    engine = llm.llm_engine
+    for i in range(4):
+        engine.add_request(f"r{i}", {"prompt_token_ids": [1, 5 + i, 6, 7]}, _params({"max_tokens": 48}))
+    for _ in range(3):
+        engine.step()  # mid-run: every request in flight
+    os.kill(pids[args["rank"]], signal.SIGKILL)
+    killed = time.monotonic()
+    error = None
+    try:
+        while engine.has_unfinished_requests() and time.monotonic() - killed < 60:
+            engine.step()
+    except Exception as exc:  # vLLM's EngineDeadError: the engine core's own log has the cause
+        error = f"{type(exc).__name__}: {exc}"
+    return {"pids": pids, "error": error, "seconds": time.monotonic() - killed}
+
+
+CASES = {"platform": case_platform, "runs": case_runs, "kill_rank": case_kill_rank}
 
 
 if __name__ == "__main__":

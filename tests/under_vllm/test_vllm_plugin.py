@@ -239,3 +239,17 @@ def test_tp2_under_vllms_mp_executor_gives_tp1_tokens_and_rank1_materializes_not
     assert rank1["outputs_materialized"] == 0
     assert rank0["state_counts"]["CompositionBreak"] > 0  # breaks that rank 0 materialized and rank 1 did not
     print(f"tp1 start {tp1['start_s']:.1f} s, tp2 start {tp2['start_s']:.1f} s", rank0, rank1)
+
+
+def test_a_killed_non_output_rank_under_vllms_mp_executor_is_named_in_the_error(ckpt, tmp_path):
+    """TP=2: rank 1's device process SIGKILLed mid-run. vLLM reads only rank 0's replies, where the
+    failure shows as a collective whose peer went away; the engine core's error names rank 1."""
+    run = {"name": "tp2", "async": True, "backend": "mp", "tp": 2, "options": {"device_timeout_s": 30}}
+    result = run_case(tmp_path, "kill_rank", {"ckpt": ckpt, "run": run, "rank": 1}, timeout_s=240)
+    pids, error = result.data["pids"], result.data["error"]
+    print(f"error after {result.data['seconds']:.1f} s: {error}")
+    assert error is not None, "the engine went on after rank 1's device died"
+    named = f"tensor-parallel rank 1 failed: its device process {pids[1]} is gone"
+    assert named in result.log, "\n".join(result.log.splitlines()[-40:])
+    assert "tensor-parallel rank 0 failed" not in result.log
+    assert result.data["seconds"] < 30, "the engine took the collective timeout to notice"
