@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from support.processes import process_gone
 
-from neuron_async_sm.bench.serve_command import engine_argv
+from neuron_async_sm.bench.serve_command import engine_argv, external_servers
 from neuron_async_sm.bench.serving import RequestRecord, arrival_offsets, mode_order, summarize
 from neuron_async_sm.cli import build_parser, main
 
@@ -204,3 +204,12 @@ def test_sigterm_stops_the_benchmark_and_its_servers(tmp_path) -> None:
     bench.send_signal(signal.SIGTERM)  # as a job scheduler or `timeout` would
     assert bench.wait(timeout=60) == 143
     assert all(process_gone(pid) for pid in started), "a server outlived the benchmark"
+
+
+def test_several_running_servers_take_turns_each_under_its_label():
+    """--base-url LABEL=URL, repeated: one report over several servers (vllm serve beside ours, say)."""
+    urls = ["vllm=http://127.0.0.1:8001/", "ours=http://127.0.0.1:8002"]
+    assert external_servers(urls, "server") == {"vllm": "http://127.0.0.1:8001", "ours": "http://127.0.0.1:8002"}
+    assert external_servers(["http://127.0.0.1:8001?a=b"], "mine") == {"mine": "http://127.0.0.1:8001?a=b"}
+    with pytest.raises(ValueError, match="two servers named 'server'"):
+        external_servers(["http://127.0.0.1:1", "http://127.0.0.1:2"], "server")

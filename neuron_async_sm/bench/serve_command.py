@@ -53,8 +53,14 @@ def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     engine_flags = [a for a in p._actions if a.dest not in known and a.dest not in NOT_FORWARDED]
     p.set_defaults(async_scheduling=None)  # None: both modes, alternating
-    p.add_argument("--base-url", default=None, help="a running server (e.g. http://127.0.0.1:8000) instead of our own")
-    p.add_argument("--label", default="server", help="with --base-url: the mode name in the report")
+    p.add_argument(
+        "--base-url",
+        action="append",
+        default=None,
+        help="a running server (e.g. http://127.0.0.1:8000) instead of our own; repeat it as LABEL=URL to "
+        "take turns on several (vllm serve with our plugin and our serve, say)",
+    )
+    p.add_argument("--label", default="server", help="with one --base-url without a label: the mode name")
     p.add_argument(
         "--request-rates",
         type=positive_floats,
@@ -193,6 +199,18 @@ def _served_model(base_url: str) -> str:
     return json.loads(body)["data"][0]["id"]
 
 
+def external_servers(base_urls: list[str], label: str) -> dict[str, str]:
+    """--base-url values as {mode name: URL}: `LABEL=URL`, or a bare URL named `label` (one only)."""
+    servers: dict[str, str] = {}
+    for value in base_urls:
+        name, sep, url = value.partition("=")
+        name, url = (name, url) if sep and not name.startswith("http") else (label, value)
+        if name in servers:
+            raise ValueError(f"--base-url: two servers named {name!r}; name each as LABEL=URL")
+        servers[name] = url.rstrip("/")
+    return servers
+
+
 def _validate(args: argparse.Namespace) -> None:
     if args.repetitions < 1 or args.warmup_prompts < 0:
         raise ValueError("--repetitions must be >= 1 and --warmup-prompts >= 0")
@@ -214,6 +232,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
     try:
         _validate(args)
+        external = external_servers(args.base_url or [], args.label)
         spec = LoadSpec(
             args.num_prompts,
             args.input_len,
@@ -226,7 +245,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    modes = [args.label] if args.base_url else ["sync", "async"]
+    modes = list(external) if external else ["sync", "async"]
     if args.async_scheduling is not None:
         modes = ["async" if args.async_scheduling else "sync"]
     servers: list[ServerProcess] = []
@@ -245,7 +264,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                 server.wait_ready(deadline)
             endpoints = [(s.mode, s.url, args.model, s.pids()) for s in servers]
         else:
-            endpoints = [(args.label, args.base_url.rstrip("/"), _served_model(args.base_url), ())]
+            endpoints = [(label, url, _served_model(url), ()) for label, url in external.items()]
         cells = args.repetitions * len(args.request_rates) * len(modes)
         advance, close = progress_bar(not args.no_progress, cells, "bench serve")
         try:
