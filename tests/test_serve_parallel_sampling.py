@@ -170,8 +170,8 @@ def test_a_client_that_leaves_frees_every_child(server, stream):
         return delta("vllm:request_success_total", finished_reason="abort") == n
 
     server.wait_for(settled, "every child aborted")
+    # None ran to its end (ignore_eos: the only other ending is the abort). How many tokens each made
+    # before the server saw the client leave depends on the machine's load: no bound on that.
     assert delta("vllm:request_success_total", finished_reason="length") == 0
-    # Each child stopped before its end; how early depends on the machine's load, so no tighter bound.
-    assert delta("vllm:generation_tokens_total") < n * max_tokens
     server.wait_for(lambda: server.metric("vllm:num_requests_running") == 0, "the slots to be given back")
     assert server.metric("neuron_async_sm_kv_slots_free") == MAX_NUM_SEQS
