@@ -19,7 +19,7 @@ never sends it. Our runner feeds it from the pending device future, as in our ow
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from neuron_async_sm.outputs import NewRequestData, SchedulerOutput
@@ -39,6 +39,7 @@ class KnownRequest:
     params: SamplingParams
     seed: int
     num_prompt_tokens: int  # the request's own prompt (a restart's prompt also holds its outputs)
+    structured: bool = False  # samples under a grammar (vLLM's `structured_outputs`): a masked row
 
 
 @dataclass(frozen=True)
@@ -49,16 +50,36 @@ class HeldRequest:
     num_prompt_tokens: int  # the prompt our runner was given: past it, a row decodes
 
 
-def sampling_params(params: Any, max_tokens: int) -> SamplingParams:
-    """Our sampling parameters from vLLM's (validated for support by the platform's validate_request).
-    Stops, max_tokens and EOS are vLLM's business: our runner only samples."""
+def sampling_params(params: Any, max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
+    """Our sampling parameters from vLLM's (the platform's validate_request refuses what we lack).
+
+    Stops, max_tokens and EOS are vLLM's business: our runner samples and processes logits. min_tokens
+    holds back vLLM's own stop set (`all_stop_token_ids`: stop_token_ids, and EOS unless ignore_eos),
+    as vLLM's MinTokensLogitsProcessor does, so ours is given that set and no EOS of its own. Logprobs
+    counts of -1 (the whole vocabulary) become `vocab_size` (None: they stay -1), as our scheduler
+    resolves them; vLLM has checked them against its max_logprobs. The grammar stays vLLM's: its
+    scheduler builds the bitmask (`KnownRequest.structured`)."""
     greedy = params.temperature < GREEDY_EPS
     return SamplingParams(
         max_tokens=max(1, max_tokens),
         temperature=0.0 if greedy else float(params.temperature),
         top_k=0 if greedy or params.top_k is None or params.top_k < 0 else int(params.top_k),
         top_p=1.0 if greedy else float(params.top_p),
+        stop_token_ids=tuple(sorted(params.all_stop_token_ids)),
+        ignore_eos=True,
+        presence_penalty=float(params.presence_penalty),
+        frequency_penalty=float(params.frequency_penalty),
+        repetition_penalty=float(params.repetition_penalty),
+        min_p=float(params.min_p),
+        min_tokens=int(params.min_tokens),
+        logit_bias=dict(params.logit_bias or {}),
+        logprobs=_count(params.logprobs, vocab_size),
+        prompt_logprobs=_count(params.prompt_logprobs, vocab_size),
     )
+
+
+def _count(value: int | None, vocab_size: int | None) -> int | None:
+    return vocab_size if value == -1 and vocab_size is not None else value
 
 
 def request_seed(req_id: str, params: Any, model_seed: int) -> int:
@@ -73,8 +94,9 @@ def request_seed(req_id: str, params: Any, model_seed: int) -> int:
 class BatchTranslator:
     """One rank's view of vLLM's steps as ours. Every rank translates the same steps the same way."""
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, model_seed: int = 0) -> None:
+    def __init__(self, max_num_seqs: int, max_model_len: int, vocab_size: int, model_seed: int = 0) -> None:
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.model_seed = model_seed
         self._free_slots = list(range(max_num_seqs))
         self.known: dict[str, KnownRequest] = {}  # every live vLLM request this worker has seen
@@ -105,9 +127,10 @@ class BatchTranslator:
             if data.req_id not in self.known:
                 params = data.sampling_params
                 self.known[data.req_id] = KnownRequest(
-                    sampling_params(params, params.max_tokens or self.max_model_len),
+                    sampling_params(params, params.max_tokens or self.max_model_len, self.vocab_size),
                     request_seed(data.req_id, params, self.model_seed),
                     len(data.prompt_token_ids),
+                    params.structured_outputs is not None,
                 )
             # Model runner V2 resends a preempted request as new, with its outputs in prefill_token_ids.
             tokens = data.prefill_token_ids if data.prefill_token_ids is not None else data.prompt_token_ids
@@ -127,6 +150,10 @@ class BatchTranslator:
         held = self.held
         sampling = frozenset(r for r, n in scheduled.items() if computed[r] + n >= held[r].num_prompt_tokens)
         all_decode = all(n == 1 and computed[r] >= held[r].num_prompt_tokens for r, n in scheduled.items())
+        known = self.known
+        # vLLM's structured_output_request_ids: the sampling rows of requests with a grammar. Their
+        # bitmask comes with sample_tokens (worker.py), never with the step.
+        masked = frozenset(r for r in sampling if known[r].structured)
         leaving, self._leaving = frozenset(self._leaving), set()
         output = SchedulerOutput(
             step_id=self._next_step_id,
@@ -136,6 +163,7 @@ class BatchTranslator:
             finished_req_ids=leaving,
             sampling_req_ids=sampling,
             all_decode=all_decode,
+            structured_output_req_ids=masked,
         )
         self._next_step_id += 1
         return output
@@ -154,8 +182,11 @@ class BatchTranslator:
         params = known.params
         if num_outputs:
             self.restarts += 1
-            remaining = max(1, params.max_tokens - num_outputs)
-            params = SamplingParams(remaining, params.temperature, params.top_k, params.top_p)
+            # Every parameter stays as it was: output indices continue from num_outputs (min_tokens,
+            # max_tokens and the seeded draws count from the request's first output), and the
+            # penalties see the restart's last num_outputs prompt tokens as outputs. Its prompt's
+            # logprobs went out with its first run's first token: they are not computed again.
+            params = replace(params, prompt_logprobs=None)
         return NewRequestData(req_id, list(tokens), params, known.seed, slot, num_outputs)
 
     def _release(self, req_id: str) -> None:

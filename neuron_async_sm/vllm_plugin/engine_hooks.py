@@ -1,10 +1,12 @@
-"""What vLLM's engine core does that our trace needs: applied steps (AdvanceStep) and aborts.
+"""What vLLM's engine core does that our trace needs: applied steps (AdvanceStep), aborts, masks.
 
 A `vllm.general_plugins` entry point (`install`), loaded by vLLM in its engine-core process, wraps
-three methods of vLLM's `Scheduler` (and so of its `AsyncScheduler`) when our platform is active and
+four methods of vLLM's `Scheduler` (and so of its `AsyncScheduler`) when our platform is active and
 our trace is on: `update_from_output` records who got a token and who finished why, `finish_requests`
 records aborts, and `schedule` hands what was recorded since its previous call to the workers with
-the step it returns (an attribute of vLLM's SchedulerOutput, pickled along to every rank). The
+the step it returns (an attribute of vLLM's SchedulerOutput, pickled along to every rank);
+`get_grammar_bitmask` notes on its GrammarOutput how many tokens each row's grammar had taken (the
+trace's `mask` event: FreshMaskInv). The
 output rank's worker writes those records into the trace when that step reaches it: in the engine
 core they happened after the worker's previous step and before this one, the order the trace keeps.
 Observation only: nothing vLLM decides changes.
@@ -20,6 +22,7 @@ from neuron_async_sm.vllm_plugin.config import PluginOptions
 
 EVENTS_ATTR = "neuron_async_sm_events"  # on vLLM's SchedulerOutput: [(event, fields), ...]
 ORDINAL_ATTR = "neuron_async_sm_ordinal"  # on vLLM's SchedulerOutput: its index among the engine's steps
+GRAMMAR_TOKENS_ATTR = "neuron_async_sm_grammar_tokens"  # on vLLM's GrammarOutput: per row, tokens its grammar took
 
 
 def install() -> None:
@@ -34,6 +37,7 @@ def install() -> None:
     Scheduler.schedule = _on_schedule(Scheduler.schedule)
     Scheduler.update_from_output = _on_update(Scheduler.update_from_output)
     Scheduler.finish_requests = _on_finish_requests(Scheduler.finish_requests)
+    Scheduler.get_grammar_bitmask = _on_grammar_bitmask(Scheduler.get_grammar_bitmask)
 
 
 def _recording(scheduler: Any) -> list | None:
@@ -90,5 +94,19 @@ def _on_finish_requests(finish_requests):
         if records is not None and str(finished_status) == "FINISHED_ABORTED":
             records.extend(("Abort", {"req_id": request.request_id}) for request in finished)
         return finished
+
+    return wrapper
+
+
+def _on_grammar_bitmask(get_grammar_bitmask):
+    @functools.wraps(get_grammar_bitmask)
+    def wrapper(self, scheduler_output):
+        grammar_output = get_grammar_bitmask(self, scheduler_output)
+        if grammar_output is not None and _recording(self) is not None:
+            # A grammar takes exactly its request's outputs as the engine core applies them
+            # (update_from_output's accept_tokens), so their count is what it has taken.
+            counts = [self.requests[r].num_output_tokens for r in grammar_output.structured_output_request_ids]
+            setattr(grammar_output, GRAMMAR_TOKENS_ATTR, counts)
+        return grammar_output
 
     return wrapper

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from neuron_async_sm.sampling_params import InvalidRequestError
 from neuron_async_sm.vllm_plugin import PLUGIN_NAME, WORKER_CLS
+from neuron_async_sm.vllm_plugin.batch import sampling_params
 from neuron_async_sm.vllm_plugin.config import DTYPE_NAMES, PluginOptions
 
 if TYPE_CHECKING:
@@ -22,20 +24,14 @@ if TYPE_CHECKING:
 DEFAULT_BLOCK_SIZE = 16  # vLLM's block accounting only: our KV cache is one slot per request
 
 # vLLM sampling features our device's sampler does not implement: a request asking for one is
-# rejected with a message naming it, never run with the feature silently ignored.
+# rejected with a message naming it, never run with the feature silently ignored. Everything else of
+# vLLM's SamplingParams is ours too (vllm_plugin/batch.py maps it).
 _UNSUPPORTED_SAMPLING = (
-    ("presence_penalty", 0.0),
-    ("frequency_penalty", 0.0),
-    ("repetition_penalty", 1.0),
-    ("min_p", 0.0),
-    ("min_tokens", 0),
-    ("logprobs", None),
-    ("prompt_logprobs", None),
-    ("logit_bias", None),
     ("allowed_token_ids", None),
     ("bad_words", None),
-    ("structured_outputs", None),
+    ("logprob_token_ids", None),
 )
+LOGPROBS_MODE = "raw_logprobs"  # vLLM's default, and the logprobs our device computes (model/logprobs.py)
 
 
 class NeuronAsyncSMPlatform(Platform):
@@ -74,6 +70,11 @@ class NeuronAsyncSMPlatform(Platform):
             raise ValueError(f"{PLUGIN_NAME}: speculative decoding is not supported")
         if vllm_config.lora_config is not None:
             raise ValueError(f"{PLUGIN_NAME}: LoRA is not supported")
+        if vllm_config.model_config.logprobs_mode != LOGPROBS_MODE:
+            raise ValueError(
+                f"{PLUGIN_NAME}: logprobs_mode {vllm_config.model_config.logprobs_mode!r} is not supported; "
+                f"our device returns {LOGPROBS_MODE!r}"
+            )
         cache = vllm_config.cache_config
         # Our KV cache holds a request's tokens in its own slot: a prefix cached in another request's
         # slot cannot be read, so vLLM must never count a prefix-cache hit as computed.
@@ -86,10 +87,16 @@ class NeuronAsyncSMPlatform(Platform):
 
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:
+        """Refuse, naming the field, what our worker cannot run or would reject (e.g. more logit_bias
+        entries than our device takes): one bad request is refused here and never reaches a step."""
         for name, default in _UNSUPPORTED_SAMPLING:
             value = getattr(params, name, default)
             if value != default and not (default is None and not value):
                 raise ValueError(f"{PLUGIN_NAME}: sampling parameter {name}={value!r} is not supported")
+        try:
+            sampling_params(params, params.max_tokens or max(1, params.min_tokens))
+        except InvalidRequestError as exc:
+            raise ValueError(f"{PLUGIN_NAME}: {exc}") from exc
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:

@@ -10,6 +10,7 @@ through `get_output()` on the engine-core thread (uni-process executor) or on th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import threading
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
+import numpy as np
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
@@ -32,10 +34,12 @@ from neuron_async_sm.model import load_model_config
 from neuron_async_sm.model.parallel import TensorParallelGroup
 from neuron_async_sm.model.spec import TORCH_DTYPES
 from neuron_async_sm.outputs import ModelRunnerOutput, SchedulerOutput, StepSnapshot
+from neuron_async_sm.structured_output import GrammarBitmask
 from neuron_async_sm.trace import StepObserver, Tracer
-from neuron_async_sm.vllm_plugin.batch import BatchTranslator
+from neuron_async_sm.vllm_plugin.batch import BatchTranslator, UnsupportedStepError
 from neuron_async_sm.vllm_plugin.config import PluginOptions, engine_config
-from neuron_async_sm.vllm_plugin.engine_hooks import EVENTS_ATTR, ORDINAL_ATTR
+from neuron_async_sm.vllm_plugin.engine_hooks import EVENTS_ATTR, GRAMMAR_TOKENS_ATTR, ORDINAL_ATTR
+from neuron_async_sm.vllm_plugin.outputs import PromptLogprobs, vllm_output
 from neuron_async_sm.vllm_plugin.ranks import PeerDevices
 from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput
 from neuron_async_sm.worker.model_runner import ModelRunner, relay_width
@@ -47,30 +51,22 @@ KV_CACHE_LAYOUT = "LBNHC"  # what vLLM records; our device's cache layout is its
 STATS_LOG_INTERVAL_S = 10.0
 
 
-def vllm_output(output: ModelRunnerOutput, sampling: frozenset[str]) -> VllmModelRunnerOutput:
-    """Our step output as vLLM's: one token per sampling request, none for a partial prefill chunk."""
-    req_ids = list(output.req_ids)
-    tokens = [
-        [token] if req_id in sampling else [] for req_id, token in zip(req_ids, output.sampled_token_ids, strict=True)
-    ]
-    return VllmModelRunnerOutput(
-        req_ids=req_ids, req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)}, sampled_token_ids=tokens
-    )
-
-
 class VllmAsyncOutput(VllmAsyncModelRunnerOutput):
     """vLLM's handle on one step's output: our output object, which materializes exactly once."""
 
-    def __init__(self, output: AsyncModelRunnerOutput, sampling: frozenset[str], peers: PeerDevices) -> None:
+    def __init__(
+        self, output: AsyncModelRunnerOutput, step: SchedulerOutput, prompts: PromptLogprobs, peers: PeerDevices
+    ) -> None:
         self.output = output
-        self.sampling = sampling
+        self.step = step
+        self.prompts = prompts
         self.peers = peers
 
     def get_output(self) -> VllmModelRunnerOutput:
         # Hazard: double materialization. vLLM's thread and our runner (a step that breaks the async
         # flow) may both ask; our output's lock lets one of them transfer and write back.
         with blamed(self.peers):
-            return vllm_output(self.output.get_output(), self.sampling)
+            return vllm_output(self.output.get_output(), self.step, self.prompts)
 
     def get_kv_connector_output(self) -> None:
         return None  # no KV connector
@@ -139,6 +135,8 @@ class NeuronAsyncSMWorker(WorkerBase):
         self.num_blocks = 0  # vLLM's KV cache blocks (initialize_from_config)
         self._port: int | None = None
         self._step: SchedulerOutput | None = None
+        self._mask_first = False  # the step waits for its mask to run (`execute_model`)
+        self.prompts = PromptLogprobs()
         self._last_output: AsyncModelRunnerOutput | None = None
         self._step_of: dict[int, int] = {}  # traced runs: vLLM's step ordinal -> our step id
         self._last_log = time.monotonic()
@@ -205,7 +203,7 @@ class NeuronAsyncSMWorker(WorkerBase):
             output_thread=VLLM_OUTPUT_THREAD if mp else threading.current_thread().name,
             engine_core="vllm",
         )
-        self.translator = BatchTranslator(config.max_num_seqs, config.max_model_len, config.seed)
+        self.translator = BatchTranslator(config.max_num_seqs, config.max_model_len, model.vocab_size, config.seed)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         """One full-attention spec per layer, this rank's KV heads: vLLM's block accounting only."""
@@ -243,7 +241,15 @@ class NeuronAsyncSMWorker(WorkerBase):
 
     def execute_model(self, scheduler_output) -> VllmModelRunnerOutput | None:
         """Run vLLM's step as ours; None asks vLLM for sample_tokens(). An empty step returns an empty
-        output (vLLM treats None there as a failure) and reaches our runner with its next step."""
+        output (vLLM treats None there as a failure) and reaches our runner with its next step.
+
+        A step with a grammar row (structured output) gets its bitmask with sample_tokens(). When
+        vLLM builds it at once (no grammar row's token in flight: it calls sample_tokens next), our
+        runner runs the step then, mask and all, as our own engine does (SampleInProgram). When vLLM
+        defers it (`pending_structured_output_tokens`: it applies the step in flight to the grammars
+        first), the forward runs now and sample_tokens() samples its logits under the mask: our
+        machine's SampleDeferred, which it decides from the same fact (a masked row's newest token
+        still in the pending future)."""
         if self.tracer.enabled:
             self._trace_engine_events(scheduler_output)
         step = self.translator.translate(scheduler_output)
@@ -256,26 +262,55 @@ class NeuronAsyncSMWorker(WorkerBase):
         if last is not None and last.materialize_count == 0:
             self.overlapped_steps += 1  # vLLM has not read the previous step yet: one step in flight
         self._step = step
-        with blamed(self.peers):
-            self.runner.execute_model(step)
+        deferred = scheduler_output.pending_structured_output_tokens
+        self._mask_first = bool(step.structured_output_req_ids) and not deferred
+        if not self._mask_first:
+            # Hazard: stale mask. vLLM defers a grammar step's mask exactly when a grammar row's token
+            # is in flight; our machine then defers the sampling too (the runner asserts it does).
+            with blamed(self.peers):
+                self.runner.execute_model(step)
         self._maybe_log_stats()
         return None
 
     def sample_tokens(self, grammar_output) -> VllmModelRunnerOutput | VllmAsyncModelRunnerOutput:
-        if grammar_output is not None:
-            raise NotImplementedError("neuron_async_sm: structured outputs are not supported")
         step, self._step = self._step, None
         assert step is not None, "sample_tokens() without a step"
+        bitmask = self._bitmask(step, grammar_output)
         with blamed(self.peers):
-            output = self.runner.sample_tokens()
+            if self._mask_first:
+                self.runner.execute_model(dataclasses.replace(step, grammar_bitmask=bitmask))
+            output = self.runner.sample_tokens(bitmask if self.runner.sampling_deferred else None)
         self.counter.created += 1  # one output per step, whatever the mode or rank
         if isinstance(output, ModelRunnerOutput):  # sync mode, output rank: the tokens are here
-            return vllm_output(output, step.sampling_req_ids)
+            return vllm_output(output, step, self.prompts)
         if not self.runner.use_async_scheduling:
             return EMPTY_MODEL_RUNNER_OUTPUT  # sync mode, another rank: vLLM drops it unread
         self._last_output = output
         # On a non-output rank vLLM never calls get_output(): our runner feeds its future forward.
-        return VllmAsyncOutput(output, step.sampling_req_ids, self.peers)
+        return VllmAsyncOutput(output, step, self.prompts, self.peers)
+
+    def _bitmask(self, step: SchedulerOutput, grammar_output) -> GrammarBitmask | None:
+        """vLLM's GrammarOutput as ours: int32 `[rows, ceil(V/32)]` in vLLM's row order, keyed by
+        request id (our runner scatters it into its own rows).
+
+        A deferred mask may lack rows: vLLM builds it after applying the step in flight, which may
+        have finished some of this step's requests (a stop, EOS, the grammar's end). Such a row
+        samples unmasked and vLLM drops its token with the request. A row vLLM masks must be ours."""
+        masked = step.structured_output_req_ids
+        if not masked:
+            return None
+        width = -(-self.model.vocab_size // 32)
+        if grammar_output is None:  # every masked request finished meanwhile
+            return GrammarBitmask((), np.zeros((0, width), dtype=np.int32), ())
+        req_ids = tuple(grammar_output.structured_output_request_ids)
+        bitmask = np.asarray(grammar_output.grammar_bitmask, dtype=np.int32)  # [rows, W]
+        if not masked.issuperset(req_ids) or bitmask.shape != (len(req_ids), width):
+            raise UnsupportedStepError(
+                f"step {step.step_id}: vLLM's grammar bitmask {bitmask.shape} for {sorted(req_ids)} does not "
+                f"fit our masked rows {sorted(masked)} over a vocabulary of {self.model.vocab_size}"
+            )
+        tokens = getattr(grammar_output, GRAMMAR_TOKENS_ATTR, None) or [-1] * len(req_ids)  # -1: not traced
+        return GrammarBitmask(req_ids, bitmask, tuple(tokens))
 
     # -- observability and shutdown -----------------------------------------------------------------
 

@@ -430,9 +430,14 @@ class ModelRunner:
             req_ids=list(trace.req_ids),
             new=[n.request_id for n in new],
             relay_from=list(trace.relay_from) if reinstate else [],  # the relay's row map
-            # per new request: the outputs it may have (max_tokens, capped by max_model_len)
+            # per new request: the outputs it may still have (max_tokens less those a restart's prompt
+            # holds, capped by max_model_len)
             max_tokens=[
-                min(n.sampling_params.max_tokens, self.config.max_model_len - len(n.prompt_token_ids)) for n in new
+                min(
+                    n.sampling_params.max_tokens - n.num_output_tokens,
+                    self.config.max_model_len - len(n.prompt_token_ids),
+                )
+                for n in new
             ],
             prompt_lens=[len(n.prompt_token_ids) for n in new],
             inputs=trace.inputs if reinstate else [],  # per row: where its input id came from

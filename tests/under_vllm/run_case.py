@@ -21,16 +21,48 @@ def case_platform(args: dict) -> dict:
     return {"platform": f"{cls.__module__}.{cls.__qualname__}", "out_of_tree": current_platform.is_out_of_tree()}
 
 
+# vLLM SamplingParams fields a workload item may set as they are (JSON values)
+PASSED_THROUGH = (
+    "top_k",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+)
+
+
 def _params(raw: dict):
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
+    extra = {name: raw[name] for name in PASSED_THROUGH if name in raw}
+    if "logit_bias" in raw:  # JSON keys are strings
+        extra["logit_bias"] = {int(token): bias for token, bias in raw["logit_bias"].items()}
+    if "structured_outputs" in raw:
+        extra["structured_outputs"] = StructuredOutputsParams(**raw["structured_outputs"])
     return SamplingParams(
         max_tokens=raw["max_tokens"],
         temperature=raw.get("temperature", 0.0),
         seed=raw.get("seed"),
         stop_token_ids=raw.get("stop_token_ids", []),
         ignore_eos=raw.get("ignore_eos", True),
+        **extra,
     )
+
+
+def _logprobs(positions) -> list | None:
+    """vLLM's logprobs per position (None for a prompt's first) as [[token, logprob, rank], ...], in
+    its order: the chosen token first, then the most likely ones."""
+    if positions is None:
+        return None
+    return [
+        None if position is None else [[token, lp.logprob, lp.rank] for token, lp in position.items()]
+        for position in positions
+    ]
 
 
 def _engine(ckpt: str, run: dict):
@@ -49,6 +81,7 @@ def _engine(ckpt: str, run: dict):
         distributed_executor_backend=run.get("backend"),
         num_gpu_blocks_override=run.get("num_gpu_blocks"),
         additional_config={"neuron_async_sm": run.get("options", {})},
+        structured_outputs_config=run.get("structured_outputs_config"),
         seed=0,
         disable_log_stats=True,
     )
@@ -75,8 +108,11 @@ def drive(llm, workload: list[dict]) -> dict:
         for out in engine.step():
             results[out.request_id] = {
                 "tokens": list(out.outputs[0].token_ids),
+                "text": out.outputs[0].text,
                 "finish_reason": out.outputs[0].finish_reason,
                 "finished": out.finished,
+                "logprobs": _logprobs(out.outputs[0].logprobs),
+                "prompt_logprobs": _logprobs(out.prompt_logprobs),
             }
         step += 1
         if step > 10_000:
