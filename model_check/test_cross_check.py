@@ -29,9 +29,9 @@ _EDGE = re.compile(r'^(-?\d+) -> (-?\d+) \[label="(\w+)"', re.M)
 
 
 def table_edges() -> set[tuple[str, str, str]]:
-    """(trigger, source, dest) for every row of the Python transition table that AsyncScheduling.tla
-    models: the launch states (structured output, StructuredOutput.tla's; see the test below) are
-    left out, a path state's own `reinstate` edge stands for the reinstate after a launch."""
+    """(trigger, source, dest) for every row of the Python transition table that the machine models'
+    state graphs reach: they have no grammar, so the launch states (structured output; see the test
+    below) are left out, and a path state's own `reinstate` edge stands for the reinstate after a launch."""
     edges = set()
     for row in sm.TRANSITIONS:
         sources = row["source"] if isinstance(row["source"], list) else [row["source"]]
@@ -44,9 +44,16 @@ def table_edges() -> set[tuple[str, str, str]]:
 
 
 def test_launch_rows_are_the_structured_output_specs_launch_actions():
-    """The `launch` rows lead from every path state to the two launch actions of StructuredOutput.tla,
-    the deferral under the condition the spec's SampleDeferred requires (MaskWaits) and the in-program
-    sampling otherwise, as its SampleInProgram's guard says."""
+    """The `launch` rows lead from every path state to the two launch actions of StructuredOutput.tla
+    (and of AsyncScheduling.tla, whose trace validation replays them), the deferral under the
+    condition the spec's SampleDeferred requires (MaskWaits) and the in-program sampling otherwise,
+    as its SampleInProgram's guard says."""
+    engine = (SPEC_DIR / "AsyncScheduling.tla").read_text()
+    assert re.search(
+        r"^SampleInProgram ==\n\s+/\\ Launch\(\"SampleInProgram\"\)\n\s+/\\ ~MaskWaits\(cur\)", engine, re.M
+    )
+    assert re.search(r"^SampleDeferred ==\n\s+/\\ Launch\(\"SampleDeferred\"\)\n\s+/\\ MaskWaits\(cur\)", engine, re.M)
+    assert re.search(r"^LaunchStates == \{\"SampleInProgram\", \"SampleDeferred\"\}", engine, re.M)
     spec = (SPEC_DIR / "StructuredOutput.tla").read_text()
     launch = [row for row in sm.TRANSITIONS if row["trigger"] == "launch"]
     assert [(row["dest"], row.get("conditions")) for row in launch] == [
@@ -204,7 +211,7 @@ def test_spec_decide_and_row_order_give_what_the_python_functions_give(tlc_avail
     result = run_assumes(
         "CrossCheckCases",
         CASES_MODULE.format(
-            states=tla(set(sm.STATES) - set(sm.LAUNCH_STATES)),  # the launch states are StructuredOutput.tla's
+            states=tla(set(sm.STATES)),
             paths=tla(set(sm.PATH_STATES)),
             async_states=tla(set(sm.ASYNC_STATES)),
             decide=tla(decide),

@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pytest
 from support.faulty_runtime import faulty_runtime
-from support.mutants import NO_GET_OUTPUT_LOCK, WRITE_BACK_BY_CURRENT_ROW, mutant_env, mutant_package
+from support.grammar_model import CONSTRAINTS, MAX_TOKENS, write_json_model
+from support.mutants import (
+    MASK_BEFORE_IN_FLIGHT_TOKEN,
+    NO_GET_OUTPUT_LOCK,
+    WRITE_BACK_BY_CURRENT_ROW,
+    mutant_env,
+    mutant_package,
+)
 from support.processes import config_flags, generate_argv
 from support.workloads import drive, prompt_lines, random_workload
 from tlc import PARALLEL_RUNS
@@ -275,6 +282,65 @@ def test_trace_of_an_engine_without_the_get_output_lock_is_rejected(tlc_availabl
     matched = verdict.events[: verdict.matched]
     earlier = [e for e in matched if e["event"] == "Materialize" and e["step"] == rejected["step"]]
     assert earlier, f"event {verdict.matched} is not a second materialization: {json.dumps(rejected)}"
+
+
+# Structured output: a few constrained requests among free ones on the test's JSON-capable model, small
+# enough for a short trace (four rows at a time), long enough for masks in the program and deferred.
+GRAMMAR_ENGINE = dict(device="cpu-inprocess", max_model_len=160, max_num_seqs=4, decode_buckets=(1, 2, 4))
+
+
+def constrained_lines(seed: int, count: int) -> list[dict]:
+    """`generate` JSONL lines: every constraint round robin, each third request free (no grammar)."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(count):
+        line = {"request_id": f"g{i}", "prompt_token_ids": [1, *rng.choices(range(3, 300), k=rng.randint(1, 12))]}
+        line |= {"temperature": 1.0, "seed": seed * 100 + i}
+        if i % 3 == 2:
+            line["max_tokens"] = rng.randint(1, 30)
+        else:
+            so = CONSTRAINTS[i % len(CONSTRAINTS)].params
+            line["max_tokens"] = MAX_TOKENS
+            line["structured_outputs"] = {so.kind: list(so.choice) if so.choice else getattr(so, so.kind)}
+        lines.append(line)
+    return lines
+
+
+def record_constrained(folder: Path, model: Path, env: dict[str, str] | None = None) -> list[dict]:
+    """The constrained workload through the real CLI, async and traced (on `env`'s package); its trace."""
+    folder.mkdir()
+    prompts, trace = folder / "in.jsonl", folder / "trace.ndjson"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in constrained_lines(3, 8)), encoding="utf-8")
+    flags = ["--model", model, "--trace", trace, "--no-progress"]
+    flags += config_flags(async_scheduling=True, **GRAMMAR_ENGINE)
+    argv = generate_argv(prompts, folder / "out.jsonl", *flags)
+    proc = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: a request failed (the mutant's grammars reject)
+    return read_trace(trace)
+
+
+def test_trace_of_a_constrained_run_is_a_behaviour_of_the_spec_and_a_stale_mask_fails_it(tlc_available, tmp_path):
+    """Structured output on a real run: a deferred step's events (launch, the pending step applied,
+    the mask built from the grammars that took it, reinstate) are a behaviour of the spec, and every
+    mask came from its request's grammar after its previous token (FreshMaskInv, by TLC). The spec's
+    MCMaskBeforeInFlightToken run for real (a source mutant builds a deferred step's mask before the
+    step in flight is applied) fails FreshMaskInv at its first stale mask."""
+    model = write_json_model(tmp_path / "model")
+    events = record_constrained(tmp_path / "engine", model)
+    launches = Counter(e["state"] for e in events if e["event"] == "launch")
+    assert launches[sm.SAMPLE_IN_PROGRAM] and launches[sm.SAMPLE_DEFERRED], launches
+    verdict = check_trace(events)
+    print(f"constrained run ({dict(launches)}): {verdict.describe()}")
+    assert verdict.accepted, verdict.describe()
+
+    mutant = record_constrained(
+        tmp_path / "mutant-run", model, mutant_env(mutant_package(tmp_path / "mutant", *MASK_BEFORE_IN_FLIGHT_TOKEN))
+    )
+    verdict = check_trace(mutant)
+    print(f"stale-mask mutant: {verdict.describe()}")
+    assert verdict.violated_invariant == "FreshMaskInv", verdict.describe()
+    rejected = verdict.rejected_event
+    assert rejected["event"] == "mask" and any(g != k for _, g, k in rejected["masks"]), verdict.describe()
 
 
 HYPOTHESIS_EXAMPLES = 50  # per CI run: the stateful engine test's own machine, every engine traced

@@ -20,9 +20,8 @@ from tlc import SPEC_DIR, TlcResult, run_tlc, tla
 
 TRACE_MODULE = "TraceAsyncScheduling"
 SPEC_MODULES = ("AsyncScheduling.tla", "TraceAsyncScheduling.tla", "TraceAsyncScheduling.cfg")
-LOGGED_EVENTS = ("step", "reinstate", "drain", "Materialize", "AdvanceStep", "Abort")
-# Structured output's events (spec/StructuredOutput.tla): the machine's `launch` and each bitmask built.
-STRUCTURED_OUTPUT_EVENTS = ("launch", "mask")
+# Structured output's: the machine's `launch` (a step with a masked row) and `mask` (its bitmask built).
+LOGGED_EVENTS = ("step", "launch", "mask", "reinstate", "drain", "Materialize", "AdvanceStep", "Abort")
 SPEC_INVARIANTS = ("TypeOK", "ExactlyOnceMaterializationInv", "TokenOwnershipInv", "NoStaleInputInv", "CounterInv")
 POISON_TOKEN = -1  # neuron_async_sm.worker.input_batch.POISON_TOKEN: a token the host does not have yet
 _MATCHED = re.compile(r'<<"matched", (\d+), (\d+)>>')
@@ -110,16 +109,9 @@ def logged_events(events: Iterable[dict]) -> list[dict]:
     while waiting, before any trace event named them) are invisible to the spec and left out."""
     live: set[str] = set()
     kept = []
-    path: dict[int, str] = {}  # step -> its path state
     for e in events:
-        if e["event"] == "config" or e["event"] in STRUCTURED_OUTPUT_EVENTS:
+        if e["event"] == "config":
             continue
-        if e["event"] == "step":
-            path[e["step"]] = e["state"]
-        elif e["event"] == "reinstate" and e["source"] in LAUNCH_STATES:
-            # After `launch` (a masked step) the reinstate leaves its launch state; this spec knows
-            # only the path: the launch is StructuredOutput.tla's (checked by check_fresh_masks).
-            e = {**e, "source": path[e["step"]]}
         if e["event"] not in LOGGED_EVENTS:
             raise ValueError(f"unknown trace event {e['event']!r} (seq {e.get('seq')})")
         if e["event"] == "step":
@@ -132,9 +124,6 @@ def logged_events(events: Iterable[dict]) -> list[dict]:
             live.discard(e["req_id"])
         kept.append(e)
     return kept
-
-
-LAUNCH_STATES = ("SampleInProgram", "SampleDeferred")  # async_machine.LAUNCH_STATES
 
 
 def stale_masks(events: Iterable[dict]) -> list[str]:
@@ -180,15 +169,17 @@ def trace_records(events: Iterable[dict], threads: tuple[str, str] = ("MainThrea
             raise ValueError(f"thread {e['thread']!r} is not the header's engine or output thread (seq {e.get('seq')})")
         kind = e["event"]
         materialize = kind == "Materialize"
-        machine = kind in ("step", "reinstate", "drain")
+        machine = kind in ("step", "launch", "reinstate", "drain")
         new = e.get("new", []) if kind == "step" else []
         for req_id in new:
             admissions[req_id] += 1
             current[req_id] = req_id if admissions[req_id] == 1 else f"{req_id}#{admissions[req_id]}"
         by_name: dict[str, str] = {}  # id -> name, in this event's step
-        if kind in ("Materialize", "AdvanceStep"):
+        if kind in ("Materialize", "AdvanceStep", "mask"):
             req_ids = snapshot.get(e["step"], [current.get(r, r) for r in e.get("req_ids", [])])
             by_name = dict(zip(raw_ids.get(e["step"], []), req_ids, strict=False))
+            if kind == "mask":  # names the requests of its masks only
+                req_ids = []
         elif machine:
             req_ids = [current.get(r, r) for r in e["req_ids"]]
             if kind == "step":
@@ -217,6 +208,12 @@ def trace_records(events: Iterable[dict], threads: tuple[str, str] = ("MainThrea
                 "finished": [by_name[r] for r, _ in finished],
                 "stopped": [by_name[r] for r, reason in finished if reason == "stop"],
                 "req": current.get(e["req_id"], e["req_id"]) if kind == "Abort" else "",
+                # structured output: a launch's masked rows; a mask's rows (the grammar state it came
+                # from: tokens its grammar had taken, and the output index the row samples, 0-based)
+                "masked": [current.get(r, r) for r in e.get("masked", [])] if kind == "launch" else [],
+                "masks": [{"req": by_name[r], "grammar": g, "index": k} for r, g, k in e["masks"]]
+                if kind == "mask"
+                else [],
             }
         )
     return records
@@ -335,6 +332,8 @@ def trace_log_module(
         f"TracePoison == {POISON_TOKEN}",
         f"TraceEngineThread == {tla(threads[0])}",
         f"TraceAdmittedAt == {function(admitted_at)}",
+        # the requests that sample under a grammar (every step they sample in launches with them masked)
+        f"TraceConstrained == {tla({r for rec in trace.records for r in rec['masked']})}",
         f"TraceNextStep == {tla(next_step[1:])}",  # indexed 1..Len(TraceEvents) + 1
         f"TraceMaxSeqs == {config['max_num_seqs']}",
         f"TraceBuckets == {tla(set(config['decode_buckets']))}",

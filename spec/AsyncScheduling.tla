@@ -19,6 +19,12 @@
 (*   from the previous future by a row map, or its host-known id (Relay).  *)
 (* - EngineCore: our engine core or vLLM's drives the worker; they differ  *)
 (*   in when a finishing request leaves the batch and when aborts apply.   *)
+(* - Structured output: a step with a row that samples under a grammar     *)
+(*   fires the machine's launch; when that row's newest token is in the    *)
+(*   pending step, the step's sampling waits until the engine core has     *)
+(*   applied it (SampleDeferred). The models have no grammar (Constrained  *)
+(*   is empty); trace validation replaces it. StructuredOutput.tla checks  *)
+(*   the mask design on its own.                                           *)
 (*                                                                         *)
 (* Tokens are abstract: Tok(r, k) is the k-th output token of request r.   *)
 (* A row that computes from a wrong input samples a Corrupt token.         *)
@@ -52,7 +58,8 @@ ReqSet == {Requests[i] : i \in 1..Len(Requests)}
 Threads == {"main", "output"}
 PathStates == {"NoPendingFuture", "CompositionBreak", "ShapeMismatchRebuild", "ReorderRemap", "Steady", "Relay"}
 AsyncStates == {"Steady", "Relay"}   \* the paths counted as an async step: no host round trip
-MachineStates == PathStates \cup {"Idle", "Reinstate"}
+LaunchStates == {"SampleInProgram", "SampleDeferred"}  \* structured output: when a masked step samples
+MachineStates == PathStates \cup LaunchStates \cup {"Idle", "Reinstate"}
 None == ""                  \* an empty row (a hole before condense())
 
 Tok(r, k) == <<r, k>>       \* the k-th output token of r, sampled from r's own inputs
@@ -90,6 +97,10 @@ EngineCore == "ours"
 \* itself, inside its wait for the oldest step (AsyncOutputFuture.result()). The spec's "output"
 \* thread is that role; on the engine thread it acts only while the engine waits (or dies).
 OutputOnEngineThread == FALSE
+\* The requests that sample under a grammar (structured output): none in the models, whose state
+\* counts this leaves alone. Trace validation replaces it (<-) with the requests its trace masks.
+Constrained == {}
+NoGrammar == -1  \* a mask row built for no grammar state: its request finished before the mask was built
 
 ASSUME /\ Depth = 2
        /\ MaxOf(Buckets) >= MaxSeqs
@@ -170,6 +181,9 @@ vars == <<arrived, status, phase, chunks, placeholders, delivered, stopLen, fini
           mstate, rows, host, pending, cur, stateLock, numAsync, numSync, steps, ran, outQueue, pc>>
 
 NoCur == [path |-> None]
+\* The main thread's program counter; "defer" and "mask" only for a step whose sampling waits or
+\* whose mask is being built (structured output).
+MainPcs == {"top", "get", "transfer", "exec", "defer", "mask", "wait", "failing", "dead"}
 Token == (ReqSet \X Int) \cup {Poison, Prompt}
 
 TypeOK ==
@@ -194,7 +208,7 @@ TypeOK ==
         /\ steps[s].ok \in BOOLEAN
     /\ ran \in 0..Len(steps)
     /\ Range(outQueue) \subseteq 1..Len(steps)
-    /\ pc \in [Threads -> {"top", "get", "transfer", "exec", "wait", "failing", "dead"}]
+    /\ pc \in [Threads -> MainPcs]
 
 Init ==
     /\ arrived = 0
@@ -336,7 +350,9 @@ Plan(sch) ==
         \* the output index each row samples (0: a partial prefill chunk samples nothing)
         outIdx |-> [i \in 1..Len(curr) |-> IF curr[i] \in sampling
                                           THEN Len(delivered[curr[i]]) + placeholders[curr[i]] + 1
-                                          ELSE 0]]
+                                          ELSE 0],
+        \* structured output: the requests sampling under a grammar, and each one's mask once built
+        masked |-> sampling \cap Constrained, mask |-> <<>>]
 \* The scheduler choices the worker may see: all of them. (Trace validation overrides it with the
 \* ones whose request set its next step event shows, so that only those are planned.)
 ScheduleChoices == Schedules
@@ -378,7 +394,7 @@ Relay == StepReady /\ \E p \in Plans : p.path = "Relay" /\ TakePath(p)
 Target(t) == IF t = "main" THEN pending ELSE Head(outQueue)
 \* The output role on the engine thread (OutputOnEngineThread) runs inside the engine core's wait for
 \* its oldest step, or while the dying engine resolves what it holds.
-OutputRoleFree == ~OutputOnEngineThread \/ pc["main"] \in {"wait", "failing"}
+OutputRoleFree == ~OutputOnEngineThread \/ pc["main"] \in {"wait", "defer", "failing"}
 Calling(t) == IF t = "main" THEN pc["main"] = "get" ELSE pc["output"] = "get" /\ outQueue # <<>> /\ OutputRoleFree
 Returned(t, ok) ==  \* get_output() returned (ok) or raised; the output thread resolves the engine's future
     IF t = "main" THEN pc' = [pc EXCEPT !["main"] = IF ok THEN "exec" ELSE "failing"] /\ outQueue' = outQueue
@@ -446,6 +462,58 @@ RelayFrom(c, prev) ==
     IN [i \in DOMAIN c.curr |-> Source(i)]
 
 -----------------------------------------------------------------------------
+(* launch (structured output): a step with a row that samples under a      *)
+(* grammar decides when it samples, after its path and before reinstate.   *)
+(* A step without one never launches: it goes from its path to Reinstate.  *)
+
+\* The machine's mask_waits: a masked row's newest token is in the pending step (its grammar lacks it).
+MaskWaits(c) ==
+    /\ pending # 0
+    /\ \E i \in DOMAIN steps[pending].rows : steps[pending].rows[i] \in c.masked /\ steps[pending].outIdx[i] > 0
+
+\* The mask of each masked row, from its grammar as it is now: the grammar has taken the request's
+\* delivered tokens (StructuredOutput.tla's GrammarSyncInv), so it stands at Len(delivered[r]). A
+\* request finished meanwhile gets no grammar row: its token is discarded. (Trace validation replaces
+\* it with the grammar states the engine logged.)
+StepMask(c) == [r \in c.masked |-> IF status[r] = "finished" THEN NoGrammar ELSE Len(delivered[r])]
+
+\* The mask step c built for r's output k (if r is masked) is r's grammar after its tokens 1..k-1, or
+\* none because r finished before it was built (its token is discarded).
+MaskFresh(c, r, k) ==
+    r \in DOMAIN c.mask => c.mask[r] = k - 1 \/ (c.mask[r] = NoGrammar /\ status[r] = "finished")
+
+Launch(dest) ==
+    /\ pc["main"] = "exec"
+    /\ mstate \in PathStates
+    /\ cur.masked # {}
+    /\ mstate' = dest
+    /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
+                   rows, host, pending, cur, stateLock, numAsync, numSync, steps, ran, outQueue>>
+
+\* Every masked row's grammar holds its newest token: the mask is built now, an input of the program.
+SampleInProgram ==
+    /\ Launch("SampleInProgram")
+    /\ ~MaskWaits(cur)
+    /\ pc' = [pc EXCEPT !["main"] = "mask"]
+
+\* A masked row's newest token is in the pending step: the forward is enqueued, and the engine core
+\* applies the pending step (AdvanceStep) before it builds the mask; with nothing left to apply (the
+\* pending step was applied after an empty schedule) it builds the mask at once. The inputs this spec
+\* builds at Reinstate are the same then: a path that builds them on the CPU has materialized first.
+SampleDeferred ==
+    /\ Launch("SampleDeferred")
+    /\ MaskWaits(cur)
+    /\ pc' = [pc EXCEPT !["main"] = IF batchQueue = <<>> THEN "mask" ELSE "defer"]
+
+\* The scheduler fills the step's bitmask (the trace's `mask` event); the sampling is enqueued at Reinstate.
+BuildMask ==
+    /\ pc["main"] = "mask"
+    /\ cur' = [cur EXCEPT !.mask = StepMask(cur)]
+    /\ pc' = [pc EXCEPT !["main"] = "exec"]
+    /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
+                   mstate, rows, host, pending, stateLock, numAsync, numSync, steps, ran, outQueue>>
+
+-----------------------------------------------------------------------------
 (* reinstate: update the batch, build inputs as the path says, enqueue the   *)
 (* program, snapshot the row owners, refill the async buffer.                *)
 
@@ -471,6 +539,7 @@ StepInputs(c, prev) ==
 
 Reinstate ==
     /\ pc["main"] = "exec"
+    /\ cur.masked # {} => mstate \in LaunchStates  \* a masked step has launched, and its mask is built
     /\ LET c == cur
            s == Len(steps) + 1
            prev == IF pending # 0 THEN steps[pending] ELSE [rows |-> <<>>]
@@ -479,7 +548,8 @@ Reinstate ==
                LET r == c.curr[i]
                    k == c.outIdx[i]
                IN IF k = 0 THEN Poison
-                  ELSE IF inputs[i] = Prompt \/ inputs[i] = Tok(r, k - 1) THEN Tok(r, k)
+                  \* Hazard: stale mask. A row sampled under another grammar state samples another token.
+                  ELSE IF (inputs[i] = Prompt \/ inputs[i] = Tok(r, k - 1)) /\ MaskFresh(c, r, k) THEN Tok(r, k)
                   ELSE Corrupt(r, k)
        IN
        /\ steps' = Append(IF pending # 0 /\ pending \notin Range(batchQueue)
@@ -526,7 +596,7 @@ MayStop == ReqSet
 Delivers(st, i) == status[st.rows[i]] # "finished"
 
 AdvanceStep ==  \* update_from_output: deliver the oldest step's tokens, discover stops
-    /\ pc["main"] = "wait"
+    /\ pc["main"] \in {"wait", "defer"}
     /\ Resolved(Head(batchQueue))
     /\ steps[Head(batchQueue)].ok  \* a failed output raises in the engine core instead: Drain
     /\ LET st == steps[Head(batchQueue)]
@@ -549,10 +619,11 @@ AdvanceStep ==  \* update_from_output: deliver the oldest step's tokens, discove
            /\ finishedIds' = finishedIds \cup stopped
     /\ batchQueue' = Tail(batchQueue)
     /\ steps' = IF Head(batchQueue) # pending THEN [steps EXCEPT ![Head(batchQueue)] = Retire(@)] ELSE steps
-    /\ pc' = [pc EXCEPT !["main"] = "top"]
+    \* a deferred step's mask is built next, from the grammars that have taken this output
+    /\ pc' = [pc EXCEPT !["main"] = IF pc["main"] = "defer" THEN "mask" ELSE "top"]
     /\ UNCHANGED <<arrived, phase, chunks, mstate, rows, host, pending, cur, stateLock, numAsync, numSync, outQueue, ran>>
 
-drainable == {"top", "get", "exec", "wait", "failing"}
+drainable == {"top", "get", "exec", "defer", "mask", "wait", "failing"}
 
 \* The engine died (a failed program, or any other error): every queued output resolves, the
 \* buffer is dropped, every unfinished request ends.
@@ -584,6 +655,8 @@ OutputThread == \E t \in Threads : GetOutput(t) \/ GetOutputCached(t) \/ Materia
 
 Next ==
     \/ NoPendingFuture \/ CompositionBreak \/ ShapeMismatchRebuild \/ ReorderRemap \/ Steady \/ Relay  \* step
+    \/ SampleInProgram \/ SampleDeferred                                                              \* launch
+    \/ BuildMask
     \/ Reinstate                                                                                       \* reinstate
     \/ Drain                                                                                           \* drain
     \/ OutputThread
@@ -599,14 +672,15 @@ Spec == Init /\ [][Next]_vars /\ WF_vars(OutputThread) /\ WF_vars(DeviceRun)
 \* and dying (after a failed program, the only turn left).
 EngineLoop ==
     \/ NoPendingFuture \/ CompositionBreak \/ ShapeMismatchRebuild \/ ReorderRemap \/ Steady \/ Relay
+    \/ SampleInProgram \/ SampleDeferred \/ BuildMask
     \/ Reinstate \/ WaitOldest \/ AdvanceStep \/ Drain
 \* ENABLED EngineLoop, written out (TLC 2.15 fails evaluating ENABLED over Plans): every plan takes
 \* one of the path actions, so a step is possible exactly when the scheduler has a choice.
 EngineCanTurn ==
     \/ StepReady /\ Schedules # {}
-    \/ pc["main"] = "exec"
+    \/ pc["main"] \in {"exec", "mask"}
     \/ pc["main"] = "top" /\ batchQueue # <<>> /\ (Len(batchQueue) = Depth \/ Schedules = {})
-    \/ pc["main"] = "wait" /\ batchQueue # <<>> /\ Resolved(Head(batchQueue)) /\ steps[Head(batchQueue)].ok
+    \/ pc["main"] \in {"wait", "defer"} /\ batchQueue # <<>> /\ Resolved(Head(batchQueue)) /\ steps[Head(batchQueue)].ok
     \/ AllowFailure /\ pc["main"] \in drainable /\ outQueue = <<>> /\ pc["output"] = "get"
 \* Weak fairness of the engine loop, as a hypothesis of the property (WF_vars(EngineLoop) by its definition).
 EngineLoopFair == <>[]EngineCanTurn => []<><<EngineLoop>>_vars
@@ -649,7 +723,7 @@ CounterInv ==
 
 \* At most Depth steps in flight: scheduled and not applied by the engine core, unresolved, or not run.
 PipelineDepthInv ==
-    /\ Len(batchQueue) + (IF cur # NoCur /\ pc["main"] \in {"get", "transfer", "exec"} THEN 1 ELSE 0) <= Depth
+    /\ Len(batchQueue) + (IF cur # NoCur /\ pc["main"] \in {"get", "transfer", "exec", "defer", "mask"} THEN 1 ELSE 0) <= Depth
     /\ Len(outQueue) <= Depth
     /\ Len(steps) - ran <= Depth
 

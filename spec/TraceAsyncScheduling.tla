@@ -41,6 +41,7 @@ OnceAllowFailure == TraceAllowFailure
 OnceAsyncRelay == TraceAsyncRelay
 OnceEngineCore == TraceEngineCore
 OnceOutputOnEngineThread == TraceOutputOnEngineThread
+OnceConstrained == TraceConstrained
 
 traceVars == <<vars, l, engineCounts, pathCounts>>
 
@@ -96,6 +97,12 @@ TraceDelivers(st, i) == st.rows[i] \in Range(Ev.delivered)
 \* EOS or a stop token: the requests the engine logged as finished with reason "stop".
 TraceMayStop == IF NextIs({"AdvanceStep"}) THEN Range(Ev.stopped) ELSE {}
 
+\* The grammar state each masked row's mask came from, as the engine logged it (its `mask` event);
+\* a masked request the event leaves out had finished: no grammar row.
+TraceStepMask(c) ==
+    LET Logged(r) == {m \in Range(Ev.masks) : m.req = r}
+    IN [r \in c.masked |-> IF Logged(r) = {} THEN NoGrammar ELSE (CHOOSE m \in Logged(r) : TRUE).grammar]
+
 \* Only scheduler choices with the request set of the next step event are planned (pruning only).
 TraceScheduleChoices ==
     IF NextIs({"step"}) THEN {sch \in Schedules : Range(sch.order) = Range(Ev.req_ids)} ELSE {}
@@ -122,6 +129,25 @@ StepEvent(e) ==
     /\ pathCounts' = IF e.state \in AsyncStates THEN <<pathCounts[1] + 1, pathCounts[2]>>
                       ELSE <<pathCounts[1], pathCounts[2] + 1>>
     /\ UNCHANGED engineCounts
+
+\* Structured output: the machine's launch, for a step with a row that samples under a grammar.
+LaunchEvent(e) ==
+    /\ e.event = "launch"
+    /\ MachineEvent(e)
+    /\ e.step = Len(steps)
+    /\ CASE e.state = "SampleInProgram" -> SampleInProgram
+         [] e.state = "SampleDeferred" -> SampleDeferred
+    /\ Range(e.masked) = cur.masked
+    /\ UNCHANGED <<engineCounts, pathCounts>>
+
+\* The step's bitmask built: at launch (SampleInProgram), or once the pending step was applied.
+MaskEvent(e) ==
+    /\ e.event = "mask"
+    /\ e.step = Len(steps)
+    /\ BuildMask
+    \* each logged row is a masked row of the step, at the output index this spec has it sample
+    /\ \A m \in Range(e.masks) : m.req \in cur.masked /\ m.index + 1 = cur.outIdx[IndexOf(cur.curr, m.req)]
+    /\ UNCHANGED <<engineCounts, pathCounts>>
 
 ReinstateEvent(e) ==
     /\ e.event = "reinstate"
@@ -175,7 +201,7 @@ Logged ==
     /\ l <= Len(TraceEvents)
     /\ DeviceCaughtUp
     /\ LET e == Ev IN
-       \/ StepEvent(e) \/ ReinstateEvent(e) \/ DrainEvent(e) \/ MaterializeEvent(e)
+       \/ StepEvent(e) \/ LaunchEvent(e) \/ MaskEvent(e) \/ ReinstateEvent(e) \/ DrainEvent(e) \/ MaterializeEvent(e)
        \/ AdvanceStepEvent(e) \/ AbortEvent(e)
     /\ l' = l + 1
 
@@ -277,7 +303,7 @@ RecentTypeOK ==
         /\ steps[s].ok \in BOOLEAN
     /\ ran \in 0..Len(steps)
     /\ Range(outQueue) \subseteq 1..Len(steps)
-    /\ pc \in [Threads -> {"top", "get", "transfer", "exec", "wait", "failing", "dead"}]
+    /\ pc \in [Threads -> MainPcs]
 
 RecentExactlyOnceMaterializationInv ==
     \A s \in Recent :
@@ -291,6 +317,12 @@ RecentTokenOwnershipInv ==
     /\ \A r \in Hot :
         /\ delivered[r] = [k \in 1..Len(delivered[r]) |-> Tok(r, k)]
         /\ Len(delivered[r]) <= stopLen[r]
+
+\* StructuredOutput.tla's FreshMaskInv on the real run: the mask the engine built for each masked row
+\* came from its request's grammar after exactly the request's tokens before the one the row samples
+\* (never an older state), or the request had finished. Checked on the step being built, from its
+\* mask event to its reinstate; once reinstated, a stale mask shows in its tokens (MaskFresh).
+FreshMaskInv == cur # NoCur => \A i \in DOMAIN cur.curr : MaskFresh(cur, cur.curr[i], cur.outIdx[i])
 
 RecentNoStaleInputInv == \A s \in Recent : \A i \in DOMAIN steps[s].rows : steps[s].input[i] # Poison
 

@@ -214,7 +214,7 @@ class ModelRunner:
         split = False
         if obs is not None:  # async: the machine decides; sync mode never defers (every grammar is current)
             transition = self.machine.launch(obs)
-            self._trace_transition(transition, trace)
+            self._trace_transition(transition, trace, masked=scheduled.structured_output_req_ids)
             split = sm.SAMPLE_PLANS[transition.dest].split
         if split:
             return True, {}
@@ -414,7 +414,10 @@ class ModelRunner:
                 rows.append(["host", ids[i], first[i]])
         return rows
 
-    def _trace_transition(self, transition: sm.Transition, trace: StepTrace | None) -> None:
+    def _trace_transition(
+        self, transition: sm.Transition, trace: StepTrace | None, masked: frozenset[str] = frozenset()
+    ) -> None:
+        """The machine's move as a trace event; `masked`: a launch's rows that sample under a grammar."""
         if not self.tracer.enabled:
             return
         if trace is None:  # drain: no step of its own
@@ -443,4 +446,5 @@ class ModelRunner:
             inputs=trace.inputs if reinstate else [],  # per row: where its input id came from
             # the machine's counters after this step (reinstate), checked against the spec's
             counters=[self.machine.async_steps, self.machine.sync_fallback_steps] if reinstate else [],
+            **({"masked": sorted(masked)} if transition.trigger == "launch" else {}),
         )
