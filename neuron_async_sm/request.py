@@ -64,6 +64,9 @@ class Request:
     # Structured output: its llguidance matcher, which has taken exactly the tokens delivered (None:
     # unconstrained). Owned by the scheduler (neuron_async_sm/structured_output.py).
     grammar: Any = field(default=None, init=False, repr=False)
+    # Why its grammar allows no token it may sample, found when its mask was built (None: it does): the
+    # output of that step finishes it with an error, never with the token sampled.
+    grammar_dead_end: str | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)

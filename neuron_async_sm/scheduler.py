@@ -22,14 +22,18 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.model.logprobs import MAX_VOCAB
 from neuron_async_sm.outputs import ModelRunnerOutput, NewRequestData, RequestDelta, SchedulerOutput, TokenLogprobs
 from neuron_async_sm.request import FinishReason, Request, RequestStatus
 from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
-from neuron_async_sm.structured_output import GrammarBitmask, GrammarCompiler
+from neuron_async_sm.structured_output import GrammarBitmask, GrammarCompiler, dead_end
 from neuron_async_sm.values import is_int
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Logits processing (model/logits_processors.py) and each parameter's "off" value: speculative
 # verification samples without it, so a request that uses one is refused under speculation.
@@ -312,10 +316,34 @@ class Scheduler:
 
     def _bitmask(self, masked: frozenset[str]) -> GrammarBitmask:
         assert self.grammars is not None
-        live = [r for r in sorted(masked) if not self.requests[r].is_finished]
-        matchers = [self.requests[r].grammar for r in live]
-        grammar_tokens = tuple(len(self.requests[r].output_token_ids) for r in live)
-        return GrammarBitmask(tuple(live), self.grammars.bitmask(matchers), grammar_tokens)
+        requests = self.requests
+        live = [r for r in sorted(masked) if not requests[r].is_finished]
+        matchers = [requests[r].grammar for r in live]
+        grammar_tokens = tuple(len(requests[r].output_token_ids) for r in live)
+        bitmask = self.grammars.bitmask(matchers)  # [M, W]
+        for i, req_id in enumerate(live):
+            request = requests[req_id]
+            if request.grammar_dead_end is None:
+                request.grammar_dead_end = self._dead_end(request, bitmask[i])
+            if request.grammar_dead_end is not None:
+                # Hazard: an empty mask. A row that may take no token would sample from logits that are
+                # all -inf; it samples unmasked instead, and its output finishes it with the error.
+                bitmask[i] = -1
+        return GrammarBitmask(tuple(live), bitmask, grammar_tokens)
+
+    def _dead_end(self, request: Request, row: np.ndarray) -> str | None:
+        """Why `request` can sample no token under its mask row: the grammar allows none, or only tokens
+        its own parameters rule out for its next output (see `structured_output.dead_end`)."""
+        params = request.sampling_params
+        ruled_out: set[int] = set()
+        why = []
+        if len(request.output_token_ids) < params.min_tokens and request.stop_token_set:
+            ruled_out |= request.stop_token_set
+            why.append(f"min_tokens={params.min_tokens} holds back the stop tokens until {params.min_tokens} outputs")
+        if params.ignore_eos:
+            ruled_out |= set(self.eos_token_ids)
+            why.append("ignore_eos is set (EOS does not end it)")
+        return dead_end(request.grammar, row, ruled_out, "; ".join(why))
 
     # -- results ------------------------------------------------------------------------------------
 
@@ -341,6 +369,11 @@ class Scheduler:
                 request.num_output_placeholders -= 1
                 # A stop discovered on an earlier step's token (or an abort): this step was already in
                 # flight and sampled one more token for the request. Discard it, never emit it.
+                if request.status is not finished and request.grammar_dead_end is not None:
+                    # Its row sampled unmasked (its grammar allowed it no token): never emit that token.
+                    self._finish(request, FinishReason.ERROR, error=request.grammar_dead_end)
+                    append_delta(RequestDelta(req_id, [], FinishReason.ERROR.value, request.grammar_dead_end))
+                    continue
                 if request.status is not finished:
                     token = tokens[req_id]
                     outputs = request.output_token_ids

@@ -11,7 +11,7 @@ llguidance is imported when the first grammar is compiled: an engine that never 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -143,6 +143,26 @@ class GrammarCompiler:
         for i, matcher in enumerate(matchers):
             fill_next_token_bitmask(matcher, out, i)
         return out
+
+
+def dead_end(matcher: LLMatcher, row: np.ndarray, ruled_out: Collection[int], why: str) -> str | None:
+    """Why a request cannot sample its next token under its grammar, or None when it can.
+
+    `row`: its bitmask row, int32 `[W]`, as the matcher filled it; `ruled_out`: tokens the request
+    itself may not take now, although the grammar allows them (`why` says which rule: min_tokens
+    holding back its stop tokens, or ignore_eos, under which EOS does not end it).
+    """
+    if matcher.is_error():
+        return f"structured output: the grammar failed ({matcher.get_error()})"
+    left = row.view(np.uint32).copy()  # [W]
+    for token in ruled_out:
+        left[token // 32] &= ~np.uint32(1 << (token % 32))
+    if left.any():
+        return None
+    allowed = [t for t in ruled_out if row.view(np.uint32)[t // 32] >> np.uint32(t % 32) & 1]
+    if not allowed:
+        return "structured output: the grammar allows no token here (a dead end)"
+    return f"structured output: the grammar allows only token(s) {sorted(allowed)} here, and {why}"
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support.grammar_model import CONSTRAINTS, MAX_TOKENS, PERSON, write_json_model
+from support.grammar_model import CONSTRAINTS, MAX_TOKENS, PERSON, VOCAB_SIZE, write_json_model
 from support.mutants import MASK_BEFORE_IN_FLIGHT_TOKEN, mutant_env, mutant_package
 from support.processes import config_flags, generate_argv
 from tokenizers import Tokenizer
@@ -28,7 +29,12 @@ from neuron_async_sm import LLM, InvalidRequestError, SamplingParams
 from neuron_async_sm.engine.llm import PromptRequest
 from neuron_async_sm.model.grammar_mask import allowed_tokens, apply_token_bitmask
 from neuron_async_sm.model.sampler import sample_tokens
-from neuron_async_sm.structured_output import GrammarCompiler, StructuredOutputsParams, as_structured_outputs
+from neuron_async_sm.structured_output import (
+    GrammarCompiler,
+    StructuredOutputsParams,
+    as_structured_outputs,
+    dead_end,
+)
 
 llguidance = pytest.importorskip("llguidance")
 
@@ -141,6 +147,60 @@ def test_logprobs_beside_grammars_async_equals_sync(model, tokenizer):
             assert ours.logprobs is not None and len(ours.logprobs) == len(ours.output_token_ids)
         if request.sampling_params.prompt_logprobs is not None:
             assert ours.prompt_logprobs is not None and len(ours.prompt_logprobs) == len(request.prompt_token_ids)
+
+
+# Dead ends made on purpose: a choice of one token, whose grammar can only end (EOS) after it, under a
+# rule that takes EOS away: min_tokens holds it back, or ignore_eos makes it not end the request.
+DEAD_ENDS = {
+    "dead-min-tokens": (dict(min_tokens=4), r"allows only token\(s\) \[2\] here, and min_tokens=4 holds back"),
+    "dead-ignore-eos": (dict(ignore_eos=True), r"allows only token\(s\) \[2\] here, and ignore_eos is set"),
+}
+
+
+def test_a_row_whose_grammar_allows_no_token_finishes_its_request_with_an_error_naming_it(model, tokenizer):
+    """Each dead end is found when its mask is built, before anything is sampled under it: the request
+    finishes with an error naming why, after the tokens its grammar allowed, and never samples from a
+    row with no allowed token. The other requests get what they get without it; async equals sync."""
+    others = workload(11, temperature=1.0)[:9]
+    dead = [
+        (
+            None,
+            PromptRequest(
+                [1, 5 + i],
+                SamplingParams(max_tokens=20, temperature=1.0, seed=i, structured_outputs={"choice": ["yes"]}, **extra),
+                req_id,
+            ),
+        )
+        for i, (req_id, (extra, _)) in enumerate(DEAD_ENDS.items())
+    ]
+    items = others[:3] + dead[:1] + others[3:6] + dead[1:] + others[6:]
+    alone, _ = run(model, others, async_scheduling=False)
+    sync, _ = run(model, items, async_scheduling=False)
+    outputs, stats = run(model, items, async_scheduling=True)
+    assert stats["deferred_steps"] > 0, stats
+    assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in sync]
+    assert [(o.finish_reason, o.error) for o in outputs] == [(o.finish_reason, o.error) for o in sync]
+    by_id = {o.request_id: o for o in outputs}
+    for req_id, (_, message) in DEAD_ENDS.items():
+        output = by_id[req_id]
+        assert output.finish_reason == "error", (req_id, output.finish_reason, output.output_token_ids)
+        assert re.search(message, output.error), (req_id, output.error)
+        assert tokenizer.decode(output.output_token_ids) == "yes", (req_id, output.output_token_ids)
+    kept = [by_id[r.request_id] for _, r in others]
+    check_outputs(others, kept, tokenizer)
+    assert [o.output_token_ids for o in kept] == [o.output_token_ids for o in alone]
+
+
+def test_a_mask_row_with_no_allowed_token_is_a_dead_end(model):
+    """A row llguidance fills with no token at all is a dead end, whatever the request's own rules."""
+    compiler = GrammarCompiler(f"{model}/tokenizer.json", vocab_size=VOCAB_SIZE, eos_token_ids=[2])
+    matcher = compiler.matcher({"regex": "a+"})
+    row = compiler.bitmask([matcher])[0]  # [W]
+    assert dead_end(matcher, row, {2}, "EOS ruled out") is None  # "a..." tokens are left
+    assert (
+        dead_end(matcher, np.zeros_like(row), (), "")
+        == "structured output: the grammar allows no token here (a dead end)"
+    )
 
 
 def same_logprobs(ours, theirs) -> bool:

@@ -234,7 +234,11 @@ class ModelRunner:
             masks = [[r, n, index[row[r]]] for r, n in zip(bitmask.req_ids, bitmask.grammar_tokens, strict=True)]
             self.tracer.event("mask", step=step_id, masks=masks)
         # Hazard: mask ownership. Scattered by request id into the rows as this step orders them.
-        return {"token_bitmask": torch.from_numpy(bitmask.rows(model_input.req_ids, model_input.num_rows))}
+        rows = bitmask.rows(model_input.req_ids, model_input.num_rows)  # [B, W]
+        # Hazard: an empty mask. A row that allows no token would sample from logits that are all -inf;
+        # the scheduler gives a dead end's row all ones (and finishes the request) instead.
+        assert rows.any(axis=1).all(), f"step {step_id}: a bitmask row allows no token"
+        return {"token_bitmask": torch.from_numpy(rows)}
 
     def _sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         executed, self._executed = self._executed, None
