@@ -290,7 +290,8 @@ GRAMMAR_ENGINE = dict(device="cpu-inprocess", max_model_len=160, max_num_seqs=4,
 
 
 def constrained_lines(seed: int, count: int) -> list[dict]:
-    """`generate` JSONL lines: every constraint round robin, each third request free (no grammar)."""
+    """`generate` JSONL lines: every constraint round robin, each third request free (no grammar), and
+    a dead end (a one-token choice under ignore_eos: its grammar can then only end, which EOS does not)."""
     rng = random.Random(seed)
     lines = []
     for i in range(count):
@@ -303,6 +304,8 @@ def constrained_lines(seed: int, count: int) -> list[dict]:
             line["max_tokens"] = MAX_TOKENS
             line["structured_outputs"] = {so.kind: list(so.choice) if so.choice else getattr(so, so.kind)}
         lines.append(line)
+    dead_end = {"request_id": "dead-end", "prompt_token_ids": [1, 9], "max_tokens": 20, "ignore_eos": True}
+    lines.insert(count // 2, dead_end | {"structured_outputs": {"choice": ["yes"]}})
     return lines
 
 
@@ -321,14 +324,16 @@ def record_constrained(folder: Path, model: Path, env: dict[str, str] | None = N
 
 def test_trace_of_a_constrained_run_is_a_behaviour_of_the_spec_and_a_stale_mask_fails_it(tlc_available, tmp_path):
     """Structured output on a real run: a deferred step's events (launch, the pending step applied,
-    the mask built from the grammars that took it, reinstate) are a behaviour of the spec, and every
-    mask came from its request's grammar after its previous token (FreshMaskInv, by TLC). The spec's
+    the mask built from the grammars that took it, reinstate) and a request ended by its grammar's
+    dead end are a behaviour of the spec, and every mask came from its request's grammar after its
+    previous token (FreshMaskInv, by TLC). The spec's
     MCMaskBeforeInFlightToken run for real (a source mutant builds a deferred step's mask before the
     step in flight is applied) fails FreshMaskInv at its first stale mask."""
     model = write_json_model(tmp_path / "model")
     events = record_constrained(tmp_path / "engine", model)
     launches = Counter(e["state"] for e in events if e["event"] == "launch")
     assert launches[sm.SAMPLE_IN_PROGRAM] and launches[sm.SAMPLE_DEFERRED], launches
+    assert ["dead-end", "error"] in [f for e in events if e["event"] == "AdvanceStep" for f in e["finished"]]
     verdict = check_trace(events)
     print(f"constrained run ({dict(launches)}): {verdict.describe()}")
     assert verdict.accepted, verdict.describe()

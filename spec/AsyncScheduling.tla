@@ -608,15 +608,20 @@ AdvanceStep ==  \* update_from_output: deliver the oldest step's tokens, discove
            newDelivered == Override(delivered, [r \in getting |->
                                                   Append(delivered[r], st.result[CHOOSE i \in live : owner[i] = r])])
            atMax == {owner[i] : i \in {j \in live : Len(delivered[owner[j]]) + 1 >= MaxTokens[owner[j]]}}
+           \* Structured output: a running request whose token is not delivered ends with an error (its
+           \* grammar rejected the token, or allowed it none). None here: Delivers is every running row.
+           errored == {owner[i] : i \in {j \in sampled : status[owner[j]] # "finished"}} \ getting
        IN
        \* EOS or a stop token: known only now that the token is on the host.
        \E eos \in SUBSET (getting \cap MayStop) :
            LET stopped == eos \cup atMax IN
            /\ delivered' = newDelivered
            /\ placeholders' = Override(placeholders, [r \in Range(owner) |-> placeholders[r] - 1])
-           /\ status' = Override(status, [r \in stopped |-> "finished"])
-           /\ stopLen' = Override(stopLen, [r \in stopped |-> Len(delivered[r]) + 1])  \* stopped \subseteq getting
-           /\ finishedIds' = finishedIds \cup stopped
+           /\ status' = Override(status, [r \in stopped \cup errored |-> "finished"])
+           \* stopped \subseteq getting: its token is its last; errored ones got none
+           /\ stopLen' = Override(stopLen, [r \in stopped \cup errored |->
+                                              IF r \in errored THEN Len(delivered[r]) ELSE Len(delivered[r]) + 1])
+           /\ finishedIds' = finishedIds \cup stopped \cup errored
     /\ batchQueue' = Tail(batchQueue)
     /\ steps' = IF Head(batchQueue) # pending THEN [steps EXCEPT ![Head(batchQueue)] = Retire(@)] ELSE steps
     \* a deferred step's mask is built next, from the grammars that have taken this output
