@@ -1,7 +1,8 @@
 """The spec and the code cannot drift apart: both sides are derived from what they really do.
 
-- The machine's transitions: TLC's state graphs of MCMachine and MCMachineRelay (the relay off and
-  on), projected onto the machine state, have together exactly the edges of `async_machine.TRANSITIONS`.
+- The machine's transitions: TLC's state graphs of MCMachine, MCMachineRelay (the relay off and on)
+  and MCMachineHostDraft (a host-side drafter), projected onto the machine state, have together
+  exactly the edges of `async_machine.TRANSITIONS`.
 - The decision and the row order: the spec's `Decide` and `NextRowOrder` give what the Python
   `decide()` and `next_row_order()` give, on cases TLC checks as ASSUMEs of a generated module.
 - Each path state's plan: TLC evaluates the spec's `Materializes` and `InputSource` for every path
@@ -22,7 +23,8 @@ from tlc import SPEC_DIR, TlcResult, manifest_models, run_tlc, tla
 from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.input_batch import next_row_order
 
-# The models whose state graphs make the spec side: the relay off (every design path) and on (Relay).
+# The models whose state graphs make the spec side: the relay off (every design path), on (Relay), and
+# a host-side drafter (HostDraftBreak).
 MACHINE_MODELS = [m for m in manifest_models() if m.get("dump") == "dot"]
 _NODE = re.compile(r'^(-?\d+) \[label="[^\n]*?mstate = \\"(\w+)\\"', re.M)
 _EDGE = re.compile(r'^(-?\d+) -> (-?\d+) \[label="(\w+)"', re.M)
@@ -90,7 +92,7 @@ def spec_edges(dot: str) -> set[tuple[str, str, str]]:
 
 
 def test_spec_state_graph_has_exactly_the_transition_tables_edges(model_results):
-    assert len(MACHINE_MODELS) == 2, "the relay off and on"
+    assert len(MACHINE_MODELS) == 3, "the relay off and on, a host-side drafter"
     spec = set()
     for model in MACHINE_MODELS:
         result = model_results[model["config"]]
@@ -120,18 +122,30 @@ def decide_cases(rng: random.Random) -> list[dict]:
     base = ("a", "b", "c")
     currs = {"same": base, "reordered": ("c", "a", "b"), "fewer": ("a", "b"), "other": ("a", "b", "d")}
     observations = [
-        sm.StepObservation(False, (), base, True, (), "", (4,), "torch.int32", relay) for relay in (False, True)
+        sm.StepObservation(False, (), base, True, (), "", (4,), "torch.int32", relay, host_drafter=host)
+        for relay in (False, True)
+        for host in (False, True)
     ]
     for curr in currs.values():
         for all_decode in (True, False):
             for input_shape in ((4,), (8,), (3, 16)):
                 for input_dtype in ("torch.int32", "torch.int64"):
                     for relay in (False, True):
-                        observations.append(
-                            sm.StepObservation(
-                                True, base, curr, all_decode, (4,), "torch.int32", input_shape, input_dtype, relay
+                        for host in (False, True):
+                            observations.append(
+                                sm.StepObservation(
+                                    True,
+                                    base,
+                                    curr,
+                                    all_decode,
+                                    (4,),
+                                    "torch.int32",
+                                    input_shape,
+                                    input_dtype,
+                                    relay,
+                                    host,
+                                )
                             )
-                        )
     ids = "abcd"
     for _ in range(300):
         prev = tuple(rng.sample(ids, rng.randint(0, 4)))
@@ -148,6 +162,7 @@ def decide_cases(rng: random.Random) -> list[dict]:
                 rng.choice([(1,), (2,), (4,), (2, 8)]),
                 rng.choice(["torch.int32", "torch.int32", "torch.int64"]),
                 rng.random() < 0.5,
+                host_drafter=rng.random() < 0.2,
             )
         )
     return [

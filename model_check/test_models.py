@@ -99,10 +99,18 @@ def test_every_safety_invariant_is_shown_to_fail_by_some_model(module):
 
 
 # What a witness model may change: how long outputs are, who may be aborted or stop on EOS, whether
-# programs fail, the relay switch, which engine core drives the worker. Never a guard: a witness shows
-# what the implementation reaches.
+# programs fail, the relay switch, which engine core drives the worker, a host-side drafter. Never a
+# guard: a witness shows what the implementation reaches.
 WITNESS_BOUNDS = {
-    "MCAsyncScheduling": {"MaxTokens", "MayAbort", "MayStop", "AllowFailure", "AsyncRelay", "EngineCore"},
+    "MCAsyncScheduling": {
+        "MaxTokens",
+        "MayAbort",
+        "MayStop",
+        "AllowFailure",
+        "AsyncRelay",
+        "EngineCore",
+        "HostDrafter",
+    },
     "MCStructuredOutput": {"MaxTokens", "MayStop"},
     "MCSpecDecode": {"MaxTokens", "Room", "MayStop"},
 }

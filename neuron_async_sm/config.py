@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -15,6 +16,8 @@ from typing import Any
 
 from neuron_async_sm.errors import NeuronAsyncSMError
 from neuron_async_sm.values import is_int, is_number
+
+logger = logging.getLogger(__name__)
 
 DEVICES = ("cpu", "cpu-inprocess", "xla", "accelerator", "cuda")
 """`cpu`: the emulated Neuron device as a separate process (true host/device overlap).
@@ -239,10 +242,15 @@ class EngineConfig:
         _tensor_parallel(self)
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-            # n-gram drafts need every accepted token on the host: a spec step's input is [rows, L],
-            # which no future fits, so with the relay off every step with a pending future
-            # materializes first (ShapeMismatchRebuild, or CompositionBreak when the set changed).
-            # The relay would build input ids on the device instead (docs/spec-decode.md §6).
+            # n-gram drafts need every accepted token on the host: every step with a pending future
+            # materializes it first (HostDraftBreak), so there is nothing for the relay to build on
+            # the device (docs/spec-decode.md §6).
+            if self.async_scheduling and self.async_relay:
+                logger.warning(
+                    "async_relay: off with speculative_config (method %r): its drafts are built on the host "
+                    "from every accepted token, so each step with a step in flight materializes it first",
+                    self.speculative_config.method,
+                )
             object.__setattr__(self, "async_relay", False)
             _speculation(self)
 

@@ -25,6 +25,9 @@
 (*   applied it (SampleDeferred). The models have no grammar (Constrained  *)
 (*   is empty); trace validation replaces it. StructuredOutput.tla checks  *)
 (*   the mask design on its own.                                           *)
+(* - HostDrafter: speculation drafts on the host from each request's whole *)
+(*   history (n-gram), so every step with a pending future materializes   *)
+(*   it first (HostDraftBreak). Tokens per row: SpecDecode.tla's concern.  *)
 (*                                                                         *)
 (* Tokens are abstract: Tok(r, k) is the k-th output token of request r.   *)
 (* A row that computes from a wrong input samples a Corrupt token.         *)
@@ -56,7 +59,8 @@ CONSTANTS
 
 ReqSet == {Requests[i] : i \in 1..Len(Requests)}
 Threads == {"main", "output"}
-PathStates == {"NoPendingFuture", "CompositionBreak", "ShapeMismatchRebuild", "ReorderRemap", "Steady", "Relay"}
+PathStates == {"NoPendingFuture", "CompositionBreak", "ShapeMismatchRebuild", "ReorderRemap", "Steady", "Relay",
+               "HostDraftBreak"}
 AsyncStates == {"Steady", "Relay"}   \* the paths counted as an async step: no host round trip
 LaunchStates == {"SampleInProgram", "SampleDeferred"}  \* structured output: when a masked step samples
 MachineStates == PathStates \cup LaunchStates \cup {"Idle", "Reinstate"}
@@ -101,6 +105,9 @@ OutputOnEngineThread == FALSE
 \* counts this leaves alone. Trace validation replaces it (<-) with the requests its trace masks.
 Constrained == {}
 NoGrammar == -1  \* a mask row built for no grammar state: its request finished before the mask was built
+\* Speculative decoding with a drafter that reads the host's token history (method "ngram"). Not a
+\* constant: a model replaces it (<-), so the models without speculation keep their state graphs.
+HostDrafter == FALSE
 
 ASSUME /\ Depth = 2
        /\ MaxOf(Buckets) >= MaxSeqs
@@ -138,6 +145,7 @@ RelayCovers(o) == o.relay /\ (CompositionChanged(o) \/ FutureDoesNotFit(o) \/ Or
 
 Decide(o) ==
     IF ~o.hasPending THEN "NoPendingFuture"
+    ELSE IF o.hostDrafter THEN "HostDraftBreak"
     ELSE IF RelayCovers(o) THEN "Relay"
     ELSE IF CompositionChanged(o) THEN "CompositionBreak"
     ELSE IF FutureDoesNotFit(o) THEN "ShapeMismatchRebuild"
@@ -317,10 +325,12 @@ Observation(curr, allDecode) ==
      pendingDtype |-> IF pending # 0 THEN SampledDtype ELSE None,
      inputShape |-> InputShape(Len(curr), allDecode),
      inputDtype |-> SampledDtype,
-     relay |-> AsyncRelay]
+     relay |-> AsyncRelay,
+     hostDrafter |-> HostDrafter]
 
 \* Does the path materialize the pending output before inputs are built on the CPU?
 Materializes(path, allDecode) ==
+    \/ path = "HostDraftBreak"
     \/ path = "CompositionBreak" /\ CompositionGuard
     \/ path = "ShapeMismatchRebuild" /\ RebuildOnShapeMismatch /\ (allDecode \/ RebuildWhenNotAllDecode)
 
@@ -386,6 +396,7 @@ ShapeMismatchRebuild == StepReady /\ \E p \in Plans : p.path = "ShapeMismatchReb
 ReorderRemap == StepReady /\ \E p \in Plans : p.path = "ReorderRemap" /\ TakePath(p)
 Steady == StepReady /\ \E p \in Plans : p.path = "Steady" /\ TakePath(p)
 Relay == StepReady /\ \E p \in Plans : p.path = "Relay" /\ TakePath(p)
+HostDraftBreak == StepReady /\ \E p \in Plans : p.path = "HostDraftBreak" /\ TakePath(p)
 
 -----------------------------------------------------------------------------
 (* get_output(): the output thread on every output in order, the main thread *)
@@ -662,6 +673,7 @@ Next ==
     \/ NoPendingFuture \/ CompositionBreak \/ ShapeMismatchRebuild \/ ReorderRemap \/ Steady \/ Relay  \* step
     \/ SampleInProgram \/ SampleDeferred                                                              \* launch
     \/ BuildMask
+    \/ HostDraftBreak                                                                                  \* step
     \/ Reinstate                                                                                       \* reinstate
     \/ Drain                                                                                           \* drain
     \/ OutputThread
@@ -677,7 +689,7 @@ Spec == Init /\ [][Next]_vars /\ WF_vars(OutputThread) /\ WF_vars(DeviceRun)
 \* and dying (after a failed program, the only turn left).
 EngineLoop ==
     \/ NoPendingFuture \/ CompositionBreak \/ ShapeMismatchRebuild \/ ReorderRemap \/ Steady \/ Relay
-    \/ SampleInProgram \/ SampleDeferred \/ BuildMask
+    \/ SampleInProgram \/ SampleDeferred \/ BuildMask \/ HostDraftBreak
     \/ Reinstate \/ WaitOldest \/ AdvanceStep \/ Drain
 \* ENABLED EngineLoop, written out (TLC 2.15 fails evaluating ENABLED over Plans): every plan takes
 \* one of the path actions, so a step is possible exactly when the scheduler has a choice.
@@ -754,10 +766,18 @@ EosInFlightUnreached == ~\E r \in ReqSet \ MayAbort : StoppedInFlight(r)
 AbortWithTwoInFlightUnreached == ~\E r \in MayAbort : StoppedEarly(r) /\ placeholders[r] = Depth
 \* A program failed while two steps were in flight.
 FailureWithTwoInFlightUnreached == ~\E s \in 1..Len(steps) : ~steps[s].ok /\ Len(batchQueue) = Depth
+\* With a host drafter (n-gram), every step with a pending future is a HostDraftBreak, also with the
+\* relay on, also when the set changes: two in a row, and a request that stops early on EOS.
+HostDraftStepsUnreached ==
+    ~/\ HostDrafter /\ AsyncRelay
+     /\ Range(Paths) = {"NoPendingFuture", "HostDraftBreak"}
+     /\ Adjacent("HostDraftBreak", "HostDraftBreak")
+     /\ \E r \in ReqSet \ MayAbort : StoppedEarly(r)
 \* Every path state the relay switch allows (with it on, Relay takes every fallback's place), an
 \* abort and an EOS, in one behaviour.
 EveryPathStateUnreached ==
-    ~/\ Range(Paths) = IF AsyncRelay THEN AsyncStates \cup {"NoPendingFuture"} ELSE PathStates \ {"Relay"}
+    ~/\ Range(Paths) = IF AsyncRelay THEN AsyncStates \cup {"NoPendingFuture"}
+                       ELSE PathStates \ {"Relay", "HostDraftBreak"}
      /\ \E r \in MayAbort : StoppedEarly(r)
      /\ \E r \in ReqSet \ MayAbort : StoppedEarly(r)
 

@@ -28,6 +28,9 @@ MCStopNotAborted == {"a", "c"}
 MCVllm == "vllm"
 MCOutputOnEngineThread == TRUE
 
+\* Speculation with a host-side drafter (n-gram): HostDraftBreak takes every step with a pending future.
+MCHostDrafter == TRUE
+
 \* TLC must find nothing to start from; used by the generated cross-check modules (ASSUMEs only).
 NoInit == Init /\ FALSE
 =============================================================================

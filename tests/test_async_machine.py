@@ -8,9 +8,19 @@ from neuron_async_sm.worker.input_batch import next_row_order
 
 
 def obs(
-    prev=("a", "b"), curr=("a", "b"), decode=True, pshape=(4,), ishape=(4,), pdtype="int32", pending=True, relay=False
+    prev=("a", "b"),
+    curr=("a", "b"),
+    decode=True,
+    pshape=(4,),
+    ishape=(4,),
+    pdtype="int32",
+    pending=True,
+    relay=False,
+    host=False,
 ):
-    return sm.StepObservation(pending, prev if pending else (), curr, decode, pshape, pdtype, ishape, "int32", relay)
+    return sm.StepObservation(
+        pending, prev if pending else (), curr, decode, pshape, pdtype, ishape, "int32", relay, host_drafter=host
+    )
 
 
 @pytest.mark.parametrize(
@@ -49,6 +59,24 @@ def test_with_the_relay_every_step_steady_cannot_take_relays(observation, expect
     assert sm.decide(observation) == expected
 
 
+@pytest.mark.parametrize("relay", [False, True], ids=["no-relay", "relay"])
+@pytest.mark.parametrize(
+    "observation",
+    [
+        obs(),  # what would be Steady
+        obs(curr=("a",)),  # a request left
+        obs(curr=("a", "b", "c"), decode=False, ishape=(3, 16)),  # a prefill joins
+        obs(curr=("b", "a")),  # condense() reordered
+        obs(pshape=(2,)),  # first decode after a prefill
+    ],
+)
+def test_with_a_host_drafter_every_step_with_a_pending_future_breaks_for_its_drafts(observation, relay):
+    host = sm.StepObservation(**{**observation.__dict__, "relay": relay, "host_drafter": True})
+    assert sm.decide(host) == sm.HOST_DRAFT_BREAK
+    assert sm.decide(obs(pending=False, host=True, relay=relay)) == sm.NO_PENDING_FUTURE
+    assert sm.PLANS[sm.HOST_DRAFT_BREAK] == sm.StepPlan(materialize_first=True, input_source=sm.InputSource.CPU)
+
+
 def test_machine_and_pure_decision_agree_and_count():
     machine = sm.AsyncStepMachine()
     seq = [obs(pending=False), obs(pshape=(2,)), obs(), obs(), obs(curr=("b", "a")), obs(curr=("a",))]
@@ -64,7 +92,11 @@ def test_machine_and_pure_decision_agree_and_count():
         sm.REORDER_REMAP: 1,
         sm.STEADY: 2,
         sm.RELAY: 0,
+        sm.HOST_DRAFT_BREAK: 0,
     }
+    machine.step(obs(host=True))  # counted as a sync fallback, in its own state count
+    assert (machine.async_steps, machine.sync_fallback_steps) == (2, 5)
+    assert machine.state_counts[sm.HOST_DRAFT_BREAK] == 1
 
 
 def test_illegal_triggers_raise_and_leave_the_state_unchanged():

@@ -10,18 +10,36 @@ from neuron_async_sm.worker import async_machine as sm
 
 
 def _observations() -> list[sm.StepObservation]:
-    """Every combination of the predicates' inputs: set, order, all-decode, shape, dtype, relay, and
-    (launch) which rows sample under a grammar."""
+    """Every combination of the predicates' inputs: set, order, all-decode, shape, dtype, relay,
+    (launch) which rows sample under a grammar, and a host-side drafter."""
     prev = ("a", "b")
     currents = [("a", "b"), ("b", "a"), ("a",), ("a", "b", "c"), ("b", "c")]
     out = []
-    for pending, curr, decode, shape, dtype, relay, masked in itertools.product(
-        (True, False), currents, (True, False), ((2,), (4,)), ("int32", "int64"), (False, True), ((), ("a",), ("c",))
+    for pending, curr, decode, shape, dtype, relay, masked, host in itertools.product(
+        (True, False),
+        currents,
+        (True, False),
+        ((2,), (4,)),
+        ("int32", "int64"),
+        (False, True),
+        ((), ("a",), ("c",)),
+        (False, True),
     ):
         before = prev if pending else ()
         out.append(
             sm.StepObservation(
-                pending, before, curr, decode, shape, dtype, (2,), "int32", relay, frozenset(masked), frozenset(before)
+                pending,
+                before,
+                curr,
+                decode,
+                shape,
+                dtype,
+                (2,),
+                "int32",
+                relay,
+                frozenset(masked),
+                frozenset(before),
+                host_drafter=host,
             )
         )
     return out

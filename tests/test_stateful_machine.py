@@ -65,7 +65,7 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
         self.launches: Counter[str] = Counter()  # steps with a masked row, by launch state
         RUNS["examples"] += 1
 
-    def _observe(self, step: Step, relay: bool = False) -> sm.StepObservation:
+    def _observe(self, step: Step, relay: bool = False, host_drafter: bool = False) -> sm.StepObservation:
         pending = self.pending
         return sm.StepObservation(
             has_pending=pending is not None,
@@ -77,10 +77,11 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
             input_shape=step.input_shape,
             input_dtype=step.input_dtype,
             relay=relay,
+            host_drafter=host_drafter,
         )
 
-    def _step(self, dest: str, step: Step, relay: bool = False) -> None:
-        obs = self._observe(step, relay)
+    def _step(self, dest: str, step: Step, relay: bool = False, host_drafter: bool = False) -> None:
+        obs = self._observe(step, relay, host_drafter)
         note(f"step -> {dest}: {obs}")
         assert sm.decide(obs) == dest
         transition = self.machine.step(obs)
@@ -93,10 +94,31 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
     # -- one rule per transition ------------------------------------------------------------------
 
     @precondition(lambda self: self.state == sm.IDLE)
-    @rule(req_ids=IDS, is_decode=st.booleans(), pad=st.integers(0, 3), relay=st.booleans())
-    def step_to_NoPendingFuture(self, req_ids: tuple[str, ...], is_decode: bool, pad: int, relay: bool) -> None:
-        """First step, or first after a drain: nothing pending, whatever the step looks like."""
-        self._step(sm.NO_PENDING_FUTURE, decode(req_ids, pad) if is_decode else prefill(req_ids), relay)
+    @rule(req_ids=IDS, is_decode=st.booleans(), pad=st.integers(0, 3), relay=st.booleans(), host=st.booleans())
+    def step_to_NoPendingFuture(
+        self, req_ids: tuple[str, ...], is_decode: bool, pad: int, relay: bool, host: bool
+    ) -> None:
+        """First step, or first after a drain: nothing pending, whatever the step looks like (a host-side
+        drafter has the whole history then)."""
+        self._step(sm.NO_PENDING_FUTURE, decode(req_ids, pad) if is_decode else prefill(req_ids), relay, host)
+
+    @precondition(lambda self: self.state == sm.REINSTATE)
+    @rule(data=st.data(), relay=st.booleans(), cause=st.sampled_from(["same", "set", "prefill", "order"]))
+    def step_to_HostDraftBreak(self, data: st.DataObject, relay: bool, cause: str) -> None:
+        """Speculation with a host-side drafter (n-gram): every step with a pending future breaks for its
+        drafts, whatever else holds, even a step Steady or the relay would take."""
+        prev = self.pending.req_ids
+        unused = [r for r in POOL if r not in prev]
+        if cause == "set":
+            curr = tuple(next_row_order(list(prev), frozenset(prev[-1:]), [] if len(prev) > 1 else unused[:1]))
+            step = decode(curr)
+        elif cause == "prefill":
+            step = prefill(prev)
+        elif cause == "order":
+            step = Step(tuple(data.draw(st.permutations(prev), label="order")), True, self.pending.output_shape)
+        else:
+            step = Step(prev, True, self.pending.output_shape)
+        self._step(sm.HOST_DRAFT_BREAK, step, relay, host_drafter=True)
 
     @precondition(lambda self: self.state == sm.REINSTATE)
     @rule(data=st.data(), cause=st.sampled_from(["set", "prefill", "bucket", "dtype", "order"]))

@@ -22,6 +22,10 @@ Each trigger returns the `Transition` it took: the machine never calls its calle
 
 Path states (each forward step takes exactly one; Steady and Relay count as async steps):
 - NoPendingFuture: nothing pending, CPU-built inputs are correct as they are.
+- HostDraftBreak (speculation with a host-side drafter, n-gram; docs/spec-decode.md §6): the drafts
+  come from the request's whole token history, whose newest token is in the pending future:
+  materialize, then build inputs (last accepted token and drafts) on the CPU. First among the rows:
+  the method alone decides it, whatever else changed.
 - Relay (the relay on): the future cannot be the input as it is (the set, the order or the shape
   changed), so the program builds its input ids on the device: each row takes the future's row that
   sampled its newest token, by request id, or its CPU-built id (a prompt chunk, a token the host
@@ -59,10 +63,19 @@ SHAPE_MISMATCH_REBUILD = "ShapeMismatchRebuild"
 REORDER_REMAP = "ReorderRemap"
 STEADY = "Steady"
 RELAY = "Relay"
+HOST_DRAFT_BREAK = "HostDraftBreak"
 SAMPLE_IN_PROGRAM = "SampleInProgram"
 SAMPLE_DEFERRED = "SampleDeferred"
 
-PATH_STATES = (NO_PENDING_FUTURE, RELAY, COMPOSITION_BREAK, SHAPE_MISMATCH_REBUILD, REORDER_REMAP, STEADY)
+PATH_STATES = (
+    NO_PENDING_FUTURE,
+    HOST_DRAFT_BREAK,
+    RELAY,
+    COMPOSITION_BREAK,
+    SHAPE_MISMATCH_REBUILD,
+    REORDER_REMAP,
+    STEADY,
+)
 LAUNCH_STATES = (SAMPLE_IN_PROGRAM, SAMPLE_DEFERRED)
 STATES = (IDLE, *PATH_STATES, *LAUNCH_STATES, REINSTATE)
 ASYNC_STATES = frozenset({STEADY, RELAY})  # no host round trip: the main thread never waits on the future
@@ -85,6 +98,7 @@ class StepObservation:
     # and the requests whose newest token the pending future holds (its rows that sampled).
     masked_req_ids: frozenset[str] = frozenset()
     pending_sampled_req_ids: frozenset[str] = frozenset()
+    host_drafter: bool = False  # speculation drafts from the host's token history (method "ngram")
 
 
 # Predicates over one observation. Each is named for the situation it detects.
@@ -104,6 +118,11 @@ def order_changed(obs: StepObservation) -> bool:
     return obs.prev_req_ids != obs.curr_req_ids
 
 
+def host_drafts(obs: StepObservation) -> bool:
+    # The drafter reads the request's history up to its newest token, which the pending future holds.
+    return obs.host_drafter
+
+
 def relay_covers(obs: StepObservation) -> bool:
     # The future cannot be the input as it is, and the engine relays. The spec (RelayFrom) shows
     # every row is then covered: a row's newest token is in this future or already on the host.
@@ -118,6 +137,7 @@ def mask_waits(obs: StepObservation) -> bool:
 Predicate = Callable[[StepObservation], bool]
 
 CONDITIONS: dict[str, Predicate] = {
+    "host_drafts": host_drafts,
     "relay_covers": relay_covers,
     "composition_changed": composition_changed,
     "future_does_not_fit": future_does_not_fit,
@@ -128,6 +148,9 @@ CONDITIONS: dict[str, Predicate] = {
 # The transition table. For one trigger and source, the first row whose condition holds wins.
 TRANSITIONS: tuple[dict, ...] = (
     {"trigger": "step", "source": IDLE, "dest": NO_PENDING_FUTURE},
+    # Hazard: stale drafts. Drafting from a history without its newest token gives other drafts than
+    # sync mode, and seeded acceptance depends on the draft (docs/spec-decode.md §6).
+    {"trigger": "step", "source": REINSTATE, "dest": HOST_DRAFT_BREAK, "conditions": "host_drafts"},
     {"trigger": "step", "source": REINSTATE, "dest": RELAY, "conditions": "relay_covers"},
     {"trigger": "step", "source": REINSTATE, "dest": COMPOSITION_BREAK, "conditions": "composition_changed"},
     {"trigger": "step", "source": REINSTATE, "dest": SHAPE_MISMATCH_REBUILD, "conditions": "future_does_not_fit"},
@@ -177,6 +200,8 @@ SAMPLE_PLANS: Mapping[str, SamplePlan] = MappingProxyType({
 # Each path state's plan: the spec's `Materializes` and `InputSource` (model_check checks they agree).
 PLANS: Mapping[str, StepPlan] = MappingProxyType({
     NO_PENDING_FUTURE:      StepPlan(materialize_first=False, input_source=InputSource.CPU),
+    # Hazard: stale input ids and drafts. Materialize, then draft and build inputs on the CPU.
+    HOST_DRAFT_BREAK:       StepPlan(materialize_first=True,  input_source=InputSource.CPU),
     # Hazard: stale input ids. Materialize before inputs are built, then build them on the CPU.
     COMPOSITION_BREAK:      StepPlan(materialize_first=True,  input_source=InputSource.CPU),
     SHAPE_MISMATCH_REBUILD: StepPlan(materialize_first=True,  input_source=InputSource.CPU),

@@ -1,9 +1,8 @@
 """Speculative decoding on the worker: n-gram drafts from the host's token history, and a step's inputs.
 
 The n-gram drafter reads a request's whole history, whose newest token is in the pending step's
-output under async scheduling: a spec step's input is `[rows, L]`, which no future fits, and with
-speculation the relay is off (config.py), so every step with a pending future materializes it first
-(ShapeMismatchRebuild, or CompositionBreak). So when `build_spec_model_input` runs, the batch
+output under async scheduling, so every step with a pending future materializes it first (the
+machine's HostDraftBreak, docs/spec-decode.md §6). So when `build_spec_model_input` runs, the batch
 holds every accepted token, and a decode row's true start is the batch's count, not the
 scheduler's (which counted every draft in flight as accepted, docs/spec-decode.md §3).
 """

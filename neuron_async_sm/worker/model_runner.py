@@ -113,6 +113,8 @@ class ModelRunner:
         self._sampled_specs: dict[int, TensorSpec] = {}  # rows -> the step program's output spec
         self.num_draft_tokens = 0  # drafts proposed (speculative decoding)
         self.num_spec_rows = 0  # rows that verified at least one draft
+        spec = config.speculative_config
+        self._host_drafter = spec is not None and spec.method == "ngram"  # drafts from the host's history
 
     @property
     def sampling_deferred(self) -> bool:
@@ -295,6 +297,7 @@ class ModelRunner:
             input_shape=rows.shape,
             input_dtype=_SAMPLED_DTYPE_NAME,
             relay=self.config.async_relay,
+            host_drafter=self._host_drafter,
             masked_req_ids=masked,
             pending_sampled_req_ids=pending.snapshot.sampled_req_ids()
             if pending is not None and masked
