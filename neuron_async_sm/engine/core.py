@@ -155,6 +155,7 @@ class EngineCore:
         # Resolved once, before anything reads it: from here on max_model_len is the int chosen.
         self.config = config = check_before_device_start(config, self.model_config)
         self.tracer = Tracer(config.trace_path)
+        self._spec = config.speculative_config is not None  # the trace's AdvanceStep carries token counts
         spec = model_spec(config)
         spec_width = 0 if config.speculative_config is None else config.speculative_config.width
         # One runtime per tensor-parallel rank; the output rank's is `runtime`, its runner `runner`.
@@ -293,6 +294,8 @@ class EngineCore:
                 step=scheduled.step_id,
                 delivered=[d.request_id for d in deltas if d.new_token_ids],
                 finished=[[d.request_id, d.finish_reason] for d in deltas if d.finish_reason is not None],
+                # speculative: how many tokens each of `delivered` got (a run, cut at a stop)
+                **({"counts": [len(d.new_token_ids) for d in deltas if d.new_token_ids]} if self._spec else {}),
             )
         return deltas
 

@@ -114,4 +114,6 @@ class AsyncModelRunnerOutput:
                     ok=self._error is None,
                     count=self.materialize_count,
                     tokens=[] if self._result is None else self._result.sampled_token_ids,  # by snapshot row
+                    # speculative: each row's run (accepted drafts, then one more token)
+                    **({"runs": runs} if (runs := self._result and self._result.spec_token_ids) else {}),
                 )

@@ -57,6 +57,9 @@ class StepTrace:
     new: list[NewRequestData]  # requests the step adds to the batch, in admission order
     relay_from: list[int] = field(default_factory=list)  # the relay's row map (empty unless it relayed)
     inputs: list[list] = field(default_factory=list)  # per row, where its input id came from
+    # Speculative decoding: per row the drafts the scheduler reserved, and the draft ids proposed
+    drafts: list[int] | None = None  # None: no speculation
+    proposed: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,9 @@ class ModelRunner:
         trace = (
             StepTrace(scheduled.step_id, rows.req_ids, scheduled.scheduled_new_reqs) if self.tracer.enabled else None
         )
+        spec = self.config.speculative_config
+        if trace is not None and spec is not None:
+            trace.drafts = [scheduled.num_draft_tokens.get(r, 0) for r in rows.req_ids]
         # Sync mode (the reference) runs no machine: nothing is ever pending.
         obs = self._observe(scheduled, rows) if self.use_async_scheduling else None
         path = self._decide(obs, trace) if obs is not None else sm.NO_PENDING_FUTURE
@@ -161,7 +167,6 @@ class ModelRunner:
             # future; materialize it into CPU state *before* the batch is updated and inputs built.
             with self.tracer.observer.span("materialize"):
                 self._materialize_pending()
-        spec = self.config.speculative_config
         with self.batch.lock:  # the output thread's write-back waits while the batch changes
             if spec is not None:  # every input on the CPU: the drafts come from the host (n-gram)
                 model_input, proposed = build_spec_model_input(self.config, scheduled, self.batch, rows)
@@ -175,6 +180,8 @@ class ModelRunner:
         if trace is not None:
             trace.relay_from = list(fed_rows) if plan.input_source is sm.InputSource.RELAYED_FUTURE else []
             trace.inputs = self._traced_inputs(plan.input_source, model_input, fed_rows)
+            if spec is not None:
+                trace.proposed = _proposed_drafts(model_input)
         num_rows = rows.shape[0] if spec is None else model_input.num_rows  # B (a spec step's shape is rebuilt)
         split, mask = self._launch(scheduled, obs, trace, model_input)
         if spec is not None:  # accepted tokens [B, 1 + k], -1 after each row's run
@@ -399,6 +406,12 @@ class ModelRunner:
             engine_thread=threading.current_thread().name,  # the engine loop: it runs every step
             output_thread=self.output_thread,
             engine_core=self.engine_core,
+            # speculative decoding: k (SpecDecode.tla's K; absent: no speculation)
+            **(
+                {}
+                if (spec := self.config.speculative_config) is None
+                else {"num_speculative_tokens": spec.num_speculative_tokens}
+            ),
         )
 
     def _traced_inputs(self, source: sm.InputSource, model_input: ModelInput, fed_rows: Sequence[int]) -> list[list]:
@@ -439,6 +452,7 @@ class ModelRunner:
             state=transition.dest,
             req_ids=list(trace.req_ids),
             new=[n.request_id for n in new],
+            **({} if trace.drafts is None else _spec_fields(trace, reinstate)),
             relay_from=list(trace.relay_from) if reinstate else [],  # the relay's row map
             # per new request: the outputs it may still have (max_tokens less those a restart's prompt
             # holds, capped by max_model_len)
@@ -455,3 +469,16 @@ class ModelRunner:
             counters=[self.machine.async_steps, self.machine.sync_fallback_steps] if reinstate else [],
             **({"masked": sorted(masked)} if transition.trigger == "launch" else {}),
         )
+
+
+def _proposed_drafts(model_input: ModelInput) -> list[list[int]]:
+    """Per row of a spec step, the draft ids it verifies: the last `num_drafts` of its real tokens."""
+    ids, lens = model_input.tensor("input_ids").tolist(), model_input.tensor("query_lens").tolist()
+    drafts = model_input.tensor("num_drafts").tolist()
+    return [ids[i][lens[i] - drafts[i] : lens[i]] for i in range(len(model_input.req_ids))]
+
+
+def _spec_fields(trace: StepTrace, reinstate: bool) -> dict[str, object]:
+    """A spec step's trace fields (docs/spec.md, TraceSpecDecode): `drafts` on the step event (per row the
+    drafts the scheduler reserved), `proposed` on the reinstate (per row the draft ids verified)."""
+    return {"proposed": trace.proposed} if reinstate else {"drafts": trace.drafts}

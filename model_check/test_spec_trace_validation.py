@@ -1,0 +1,134 @@
+"""Traces of real speculative runs (n-gram) are behaviours of SpecDecode.tla; a broken engine's are not.
+
+One small workload, async, on the emulated device process (tiny-llama's random weights: drafts
+copied from the prompts are accepted in part, often rejected): greedy and sampled requests, one that
+reaches `max_model_len` (its speculation turns off for good). Its `--trace` is replayed by TLC with
+`TraceSpecDecode` (model_check/spec_trace_check.py).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from spec_trace_check import check_spec_trace, spec_records
+from support.mutants import mutant_env, mutant_package
+from support.processes import config_flags, generate_argv
+from trace_check import read_trace
+
+from neuron_async_sm import LLM, SamplingParams
+from neuron_async_sm.worker import async_machine as sm
+
+SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 3}'
+ENGINE = dict(
+    dtype="float64",
+    max_num_seqs=4,
+    max_model_len=64,
+    max_num_batched_tokens=64,  # every prompt in the first step, every spec row after it
+    prefill_buckets=(16, 32, 64),
+    decode_buckets=(1, 2, 4),
+    speculative_config=SPECULATIVE,
+)
+# (prompt, sampling parameters): prompts that repeat, so n-gram drafts from the first decode on
+WORKLOAD = [
+    ([11, 12, 13, 14, 11, 12, 13, 14, 11, 12], dict(max_tokens=40)),
+    ([21, 22, 23, 21, 22, 23, 21], dict(max_tokens=90)),  # capped by max_model_len: speculation turns off
+    ([31, 32, 33, 34, 35, 31, 32, 33], dict(max_tokens=25, temperature=1.0, seed=7)),  # sampled: rejections
+    ([41, 42, 41, 42, 41], dict(max_tokens=13, temperature=1.5, seed=3)),
+]
+
+# The mutant: an output row keeps the drafts after its run's last token instead of -1 (the spec's
+# TrimToAccepted dropped, MCRejectedDraftsInOutput), so rejected drafts reach the request's output.
+REJECTED_DRAFTS_IN_OUTPUT = (
+    "model/spec_decode.py",
+    "torch.where(col == accepted, last, -1))",
+    "torch.where(col == accepted, last, draft))  # MUTANT: rejected drafts kept",
+)
+
+
+@pytest.fixture(scope="module")
+def recorded(tlc_available, tmp_path_factory) -> list[dict]:
+    path = tmp_path_factory.mktemp("spec-trace") / "spec.ndjson"
+    with LLM("tiny-llama", async_scheduling=True, trace_path=str(path), **ENGINE) as llm:
+        for i, (prompt, params) in enumerate(WORKLOAD):
+            llm.add_request(prompt, SamplingParams(ignore_eos=True, **params), f"r{i}")
+        while llm.has_unfinished_requests():
+            llm.step()
+    return read_trace(path)
+
+
+def test_trace_of_a_speculative_run_is_a_behaviour_of_spec_decode(recorded):
+    verdict = check_spec_trace(recorded)
+    print(f"speculative run: {verdict.describe()}")
+    assert verdict.accepted, verdict.describe()
+
+
+def test_the_speculative_trace_covers_accepted_and_rejected_drafts_length_and_speculation_off(recorded):
+    """The run checked above is not vacuous: every step with a pending future is a HostDraftBreak, rows
+    accept drafts and reject some (a rejection before the last draft too, which the mutant below
+    needs), requests end by length, and one turns speculation off near max_model_len (plain rows
+    after spec rows)."""
+    steps = [e["state"] for e in recorded if e["event"] == "step"]
+    assert steps[0] == sm.NO_PENDING_FUTURE and set(steps[1:]) == {sm.HOST_DRAFT_BREAK}, Counter(steps)
+    records, _ = spec_records(recorded)
+    launches = [r for r in records if r["event"] == "Launch"]
+    proposed = {e["step"]: e["proposed"] for e in recorded if e["event"] == "reinstate"}
+    rows = [(a, len(d)) for r in launches for a, d in zip(r["acc"], proposed[r["step"]], strict=True) if d]
+    assert any(a > 0 for a, _ in rows) and any(a < n - 1 for a, n in rows), rows
+    reasons = Counter(reason for e in recorded if e["event"] == "AdvanceStep" for _, reason in e["finished"])
+    assert reasons == {"length": len(WORKLOAD)}, reasons
+    drafts = [dict(zip(r["req_ids"], r["drafts"], strict=True)) for r in launches]
+    r1 = [d["r1"] for d in drafts if "r1" in d]
+    assert 3 in r1 and r1[-1] == 0 and r1.index(0, r1.index(3)) > 0, r1  # spec rows, then plain for good
+
+
+def test_a_trace_with_a_rejected_draft_in_an_output_fails_accepted_once(recorded):
+    """A row's output holding a draft its run rejected, handed to the client, breaks AcceptedOnceInv."""
+    proposed = {e["step"]: e["proposed"] for e in recorded if e["event"] == "reinstate"}
+    finished = {e["step"]: {r for r, _ in e["finished"]} for e in recorded if e["event"] == "AdvanceStep"}
+    wrong = [dict(e) for e in recorded]
+    for i, e in enumerate(wrong):  # noqa: B007 (i and k: the row changed below)
+        if e["event"] != "Materialize":
+            continue
+        rows = zip(e["req_ids"], e["runs"], proposed[e["step"]], strict=True)
+        for k, (req_id, run, drafts) in enumerate(rows):  # noqa: B007
+            a = len(run) - 1
+            if a < len(drafts) and req_id not in finished[e["step"]]:
+                break
+        else:
+            continue
+        break
+    else:
+        pytest.fail("no row rejected a draft")
+    wrong[i] = {**e, "runs": [list(run) for run in e["runs"]]}
+    wrong[i]["runs"][k].append(drafts[a])  # the rejected draft, after the run
+    j = next(j for j, x in enumerate(wrong) if x["event"] == "AdvanceStep" and x["step"] == e["step"])
+    counts = list(wrong[j]["counts"])
+    counts[wrong[j]["delivered"].index(req_id)] += 1  # the client got it
+    wrong[j] = {**wrong[j], "counts": counts}
+    verdict = check_spec_trace(wrong)
+    print(verdict.describe())
+    assert verdict.violated_invariant == "AcceptedOnceInv", verdict.describe()
+    assert verdict.rejected_event["event"] == "AdvanceStep" and verdict.rejected_event["step"] == e["step"]
+
+
+def test_trace_of_an_engine_that_keeps_rejected_drafts_in_its_output_is_rejected(tlc_available, tmp_path):
+    """The mutant run for real, through the CLI: rejected drafts reach the output (and the history the
+    next row starts from). Its trace fails SpecDecode's invariants."""
+    root = mutant_package(tmp_path, *REJECTED_DRAFTS_IN_OUTPUT)
+    prompts, trace = tmp_path / "in.jsonl", tmp_path / "trace.ndjson"
+    lines = [
+        {"request_id": f"r{i}", "prompt_token_ids": prompt, "ignore_eos": True, **params}
+        for i, (prompt, params) in enumerate(WORKLOAD)
+    ]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    flags = ["--trace", trace, "--no-progress", *config_flags(async_scheduling=True, **ENGINE)]
+    argv = generate_argv(prompts, tmp_path / "out.jsonl", *flags)
+    proc = subprocess.run(argv, cwd=tmp_path, env=mutant_env(root), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    verdict = check_spec_trace(read_trace(Path(trace)))
+    print(f"mutant: {verdict.describe()}")
+    assert verdict.violated_invariant in ("NextInputInv", "AcceptedOnceInv"), verdict.describe()
