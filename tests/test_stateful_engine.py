@@ -505,6 +505,32 @@ class EngineWithSpeculation(EngineVsReference):
         self.tracked[rid].full = reference().full(prompt, to_the_limit, self.tracked[rid].seed)
         return rid
 
+    @invariant()
+    def host_drafts_break_every_step_with_a_pending_future(self) -> None:
+        """n-gram drafts need the newest token on the host: no step but the first after a drain overlaps
+        (HostDraftBreak, docs/spec-decode.md §6), and each is counted as a sync fallback."""
+        machine = self.llm.engine.runner.machine
+        others = {
+            s: n for s, n in machine.state_counts.items() if n and s not in (sm.NO_PENDING_FUTURE, sm.HOST_DRAFT_BREAK)
+        }
+        assert not others and machine.async_steps == 0, machine.counters()
+
+    @invariant()
+    def placeholders_are_the_rows_in_flight(self) -> None:
+        """SpecDecode.tla's PlaceholderInv on the real scheduler: a request's placeholders are the
+        1 + drafts of its sampling rows in flight, and, its prompt computed, its optimistic computed
+        count is its prompt + outputs received + placeholders - 1 (the newest token is not computed)."""
+        scheduler = self.llm.engine.scheduler
+        reserved: Counter[str] = Counter()
+        for step in scheduler._unapplied:
+            for req_id in step.sampling_req_ids:
+                reserved[req_id] += 1 + step.num_draft_tokens.get(req_id, 0)
+        for req_id, request in scheduler.requests.items():
+            assert request.num_output_placeholders == reserved[req_id], (req_id, request.num_output_placeholders)
+            if not request.is_finished and request.num_computed_tokens >= request.num_prompt_tokens:
+                received = request.num_prompt_tokens + len(request.output_token_ids)
+                assert request.num_computed_tokens == received + request.num_output_placeholders - 1, req_id
+
 
 # The in-process engine also runs under back-pressure: with a runtime queue of one program, every
 # enqueue of the two-deep pipeline waits for the device. The device-process engine runs with the relay
