@@ -17,7 +17,7 @@ import pytest
 from spec_trace_check import check_spec_trace, spec_records
 from support.mutants import mutant_env, mutant_package
 from support.processes import config_flags, generate_argv
-from trace_check import read_trace
+from trace_check import check_trace, read_trace
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.worker import async_machine as sm
@@ -83,6 +83,12 @@ def test_the_speculative_trace_covers_accepted_and_rejected_drafts_length_and_sp
     drafts = [dict(zip(r["req_ids"], r["drafts"], strict=True)) for r in launches]
     r1 = [d["r1"] for d in drafts if "r1" in d]
     assert 3 in r1 and r1[-1] == 0 and r1.index(0, r1.index(3)) > 0, r1  # spec rows, then plain for good
+
+
+def test_the_plain_trace_checker_refuses_a_speculative_trace_by_name(recorded):
+    """TraceAsyncScheduling's steps sample one token per row: a speculative trace is pointed elsewhere."""
+    with pytest.raises(ValueError, match="speculative run: check it with model_check/spec_trace_check.py"):
+        check_trace(recorded)
 
 
 def test_a_trace_with_a_rejected_draft_in_an_output_fails_accepted_once(recorded):

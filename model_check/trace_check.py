@@ -536,6 +536,8 @@ def check_trace(events: list[dict], *, timeout_s: float = 300, part_events: int 
     states its predecessor ended in: each run's state then stays as small as the part, not the
     trace so far (the time is linear in the trace's length).
     """
+    if "num_speculative_tokens" in trace_config(events):  # rows of many tokens: SpecDecode.tla's concern
+        raise ValueError("the trace of a speculative run: check it with model_check/spec_trace_check.py")
     trace = Trace.of(events)
     order_of = {name: i for i, name in enumerate(r for rec in trace.records for r in rec["new"])}
     start, carried, states, offsets = 0, [], None, (0, 0, 0)
