@@ -315,8 +315,6 @@ def _speculation(config: EngineConfig) -> None:
     """What speculative decoding does not run with yet, refused by name (docs/spec-decode.md §9)."""
     if not config.on_device_sampling:
         raise ConfigError("speculative_config: verification samples on the device; needs on_device_sampling")
-    if config.tensor_parallel_size > 1:
-        raise ConfigError("speculative_config: not implemented with tensor_parallel_size > 1 yet")
     if config.device == "xla" or not config.enforce_eager:
         raise ConfigError("speculative_config: the verification program runs eagerly (enforce_eager, no xla) for now")
 

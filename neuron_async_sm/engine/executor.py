@@ -88,10 +88,19 @@ class Executor:
             self._output_thread.start()
 
     def execute_model(self, scheduled: SchedulerOutput) -> None:
-        """Enqueue the step on every rank, the output rank first; then check the paths agree."""
+        """Enqueue the step on every rank, the output rank first; then check the paths agree.
+
+        With speculative decoding the other ranks build their rows from the output rank's drafts
+        and row starts (`ModelRunner.drafted`): they have no token history of their own.
+        """
+        output = self.runners[self.output_rank]
+        with self._on_rank(output.rank):
+            output.execute_model(scheduled)
+        drafted = output.drafted  # None without speculative decoding
         for runner in self.runners:
-            with self._on_rank(runner.rank):
-                runner.execute_model(scheduled)
+            if runner is not output:
+                with self._on_rank(runner.rank):
+                    runner.execute_model(scheduled, drafted)
         if len(self.runners) > 1:
             paths = [runner.machine.state if runner.use_async_scheduling else None for runner in self.runners]
             check_same_path(scheduled.step_id, paths)

@@ -142,12 +142,14 @@ class ShardedLlamaModel(LlamaModel):
         super().__init__(config, weights, max_model_len, dtype)
         self.vocab_size = config.vocab_size
 
-    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        return self._gather(super().forward(batch, cache))
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Every path to logits ends here (forward, every token, speculative verification's picks).
+        return self._gather(super().logits_of(hidden))
 
-    def forward_every_token(self, batch: ForwardBatch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        last, every = super().forward_every_token(batch, cache)
-        return self._gather(last), self._gather(every)
+    def _forward_packed(self, batch: PackedBatch, cache: KVCache) -> torch.Tensor:
+        if batch.input_ids.numel() == 0:  # all padding on every rank (they share the shape): no logits_of
+            return torch.zeros(batch.rows, self.vocab_size, dtype=self.compute_dtype, device=self.weights.norm.device)
+        return super()._forward_packed(batch, cache)
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
         """`[..., vocab / world]`, this rank's slice of the vocabulary, -> `[..., vocab]` on every rank."""

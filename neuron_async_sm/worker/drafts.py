@@ -2,15 +2,23 @@
 
 The n-gram drafter reads a request's whole history, whose newest token is in the pending step's
 output under async scheduling, so every step with a pending future materializes it first (the
-machine's HostDraftBreak, docs/spec-decode.md §6). So when `build_spec_model_input` runs, the batch
-holds every accepted token, and a decode row's true start is the batch's count, not the
-scheduler's (which counted every draft in flight as accepted, docs/spec-decode.md §3).
+machine's HostDraftBreak, docs/spec-decode.md §6). So when `build_spec_model_input` runs, the
+output rank's batch holds every accepted token, and a decode row's true start is the batch's count,
+not the scheduler's (which counted every draft in flight as accepted, docs/spec-decode.md §3).
+
+Tensor parallelism: a non-output rank never brings a token to the host, so its batch has no history
+to draft from nor a count of accepted tokens. The output rank's `DraftedRows` (each decode row's start
+and drafts) is handed to the other ranks by the executor, which builds their inputs from it: the same
+rows, lengths, positions and drafts as the output rank's. The one id they lack, each row's last
+accepted token, is POISON_TOKEN there and comes from the output rank's ids, broadcast on the device
+as every step's input ids are (`model/parallel.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,6 +29,15 @@ from neuron_async_sm.worker.input_batch import InputBatch, StepRows, padded_inpu
 from neuron_async_sm.worker.model_input import ModelInput, build_model_input
 
 SPEC_STEP_PROGRAM = "spec_step"  # forward + verification -> accepted tokens [B, 1 + k] int32, -1 after
+
+
+@dataclass(frozen=True)
+class DraftedRows:
+    """One spec step's decode rows as the output rank built them, for the other ranks to build theirs."""
+
+    step_id: int
+    start: Mapping[str, int]  # per decode row: the position of its last accepted token
+    drafts: Mapping[str, tuple[int, ...]]  # per decode row: the drafts it verifies (n-gram; may be none)
 
 
 def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -39,31 +56,41 @@ def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list
 
 
 def build_spec_model_input(
-    config: EngineConfig, scheduled: SchedulerOutput, batch: InputBatch, rows: StepRows
-) -> tuple[ModelInput, list[int]]:
+    config: EngineConfig,
+    scheduled: SchedulerOutput,
+    batch: InputBatch,
+    rows: StepRows,
+    drafted: DraftedRows | None = None,
+) -> tuple[ModelInput, DraftedRows]:
     """The spec step's inputs (`[B, L]`, every row a chunk: prompt chunks, and decode rows of their last
-    accepted token and its drafts), with `num_drafts` `[B]`; and the drafts proposed per decode row.
+    accepted token and its drafts), with `num_drafts` `[B]`; and its decode rows' starts and drafts.
 
-    A decode row's budget is what the scheduler reserved for it (1 + k, or 1 once its speculation
-    is off); n-gram may find fewer drafts. The caller holds `batch.lock`; every accepted token is in
-    the batch (the plan materialized first).
+    The output rank (`drafted` None) drafts: a decode row's budget is what the scheduler reserved for
+    it (1 + k, or 1 once its speculation is off); n-gram may find fewer drafts. The caller holds
+    `batch.lock`; every accepted token is in the batch (the plan materialized first). Another rank
+    passes the output rank's `drafted` for this step and builds the same rows from it.
     """
     spec = config.speculative_config
     assert spec is not None
+    assert drafted is None or drafted.step_id == scheduled.step_id, "another step's drafts"
     counts = dict(scheduled.num_scheduled_tokens)
     computed = dict(scheduled.num_computed_tokens)
-    drafts: dict[str, list[int]] = {}
+    starts: dict[str, int] = {}
+    drafts: dict[str, tuple[int, ...]] = {}
     for req_id in rows.req_ids:
         state = batch.requests.get(req_id)
         if state is None or computed[req_id] < state.num_prompt_tokens:
             continue  # a prompt chunk: its positions are the scheduler's, exact
-        slot = state.kv_slot
-        # Hazard: stale positions. The scheduler's count is optimistic (drafts in flight counted as
-        # accepted); the batch's count after materialization is the truth.
-        start = int(batch.num_tokens[slot]) - 1  # the last accepted token's position
-        history = batch.token_ids[slot, : start + 1]
-        drafts[req_id] = _propose(spec, history, counts[req_id] - 1)
-        counts[req_id] = 1 + len(drafts[req_id])
+        if drafted is not None:  # a non-output rank: its batch holds neither the history nor the count
+            start, proposed = drafted.start[req_id], drafted.drafts[req_id]
+        else:
+            # Hazard: stale positions. The scheduler's count is optimistic (drafts in flight counted
+            # as accepted); the batch's count after materialization is the truth.
+            start = int(batch.num_tokens[state.kv_slot]) - 1  # the last accepted token's position
+            history = batch.token_ids[state.kv_slot, : start + 1]
+            proposed = tuple(_propose(spec, history, counts[req_id] - 1))
+        starts[req_id], drafts[req_id] = start, proposed
+        counts[req_id] = 1 + len(proposed)
         computed[req_id] = start
     corrected = dataclasses.replace(
         scheduled, num_scheduled_tokens=counts, num_computed_tokens=computed, all_decode=False
@@ -83,9 +110,8 @@ def build_spec_model_input(
         output_index[i] -= n  # the token sampled at the row's first position, x0's successor
         positions[i] -= n  # x0's successor's position: the run is written from there
     inputs = {**model_input.inputs, "input_ids": ids, "output_index": output_index, "num_drafts": num_drafts}
-    return dataclasses.replace(model_input, sample_positions=tuple(positions), inputs=inputs), list(
-        map(len, drafts.values())
-    )
+    model_input = dataclasses.replace(model_input, sample_positions=tuple(positions), inputs=inputs)
+    return model_input, DraftedRows(scheduled.step_id, starts, drafts)
 
 
 def _propose(spec: SpeculativeConfig, history: np.ndarray, budget: int) -> list[int]:

@@ -30,7 +30,7 @@ from neuron_async_sm.structured_output import GrammarBitmask
 from neuron_async_sm.trace import Tracer
 from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.async_output import OUTPUT_THREAD_NAME, AsyncModelRunnerOutput
-from neuron_async_sm.worker.drafts import SPEC_STEP_PROGRAM, build_spec_model_input
+from neuron_async_sm.worker.drafts import SPEC_STEP_PROGRAM, DraftedRows, build_spec_model_input
 from neuron_async_sm.worker.input_batch import InputBatch, StepRows
 from neuron_async_sm.worker.model_input import SAMPLED_DTYPE, ModelInput, build_model_input, logits_dtype
 
@@ -118,6 +118,7 @@ class ModelRunner:
         self.num_spec_rows = 0  # rows that verified at least one draft
         spec = config.speculative_config
         self._host_drafter = spec is not None and spec.method == "ngram"  # drafts from the host's history
+        self.drafted: DraftedRows | None = None  # the last spec step's decode rows, for the other ranks
 
     @property
     def sampling_deferred(self) -> bool:
@@ -126,10 +127,13 @@ class ModelRunner:
 
     # -- the step -----------------------------------------------------------------------------------
 
-    def execute_model(self, scheduled: SchedulerOutput) -> None:
-        """Update states, prepare inputs, enqueue the program (without waiting for it)."""
+    def execute_model(self, scheduled: SchedulerOutput, drafted: DraftedRows | None = None) -> None:
+        """Update states, prepare inputs, enqueue the program (without waiting for it).
+
+        `drafted`: on a non-output rank with speculative decoding, the output rank's `self.drafted`
+        for this step (this rank has no token history to draft from, worker/drafts.py)."""
         with self.tracer.observer.span("execute"):
-            self._execute_model(scheduled)
+            self._execute_model(scheduled, drafted)
 
     def sample_tokens(
         self, grammar_bitmask: GrammarBitmask | None = None
@@ -148,7 +152,7 @@ class ModelRunner:
         with self.tracer.observer.span("output"):
             return self._sample_tokens(grammar_bitmask)
 
-    def _execute_model(self, scheduled: SchedulerOutput) -> None:
+    def _execute_model(self, scheduled: SchedulerOutput, drafted: DraftedRows | None) -> None:
         if self._header_due:
             self._trace_header()
         rows = self.batch.plan(scheduled, self.config)  # the row order and padded shape, once
@@ -169,7 +173,10 @@ class ModelRunner:
                 self._materialize_pending()
         with self.batch.lock:  # the output thread's write-back waits while the batch changes
             if spec is not None:  # every input on the CPU: the drafts come from the host (n-gram)
-                model_input, proposed = build_spec_model_input(self.config, scheduled, self.batch, rows)
+                # Hazard: diverged ranks. Only the output rank has the history: the others take its drafts.
+                assert (drafted is None) == self.is_output_rank, "drafts come from the output rank alone"
+                model_input, self.drafted = build_spec_model_input(self.config, scheduled, self.batch, rows, drafted)
+                proposed = [len(d) for d in self.drafted.drafts.values()]
                 self.num_draft_tokens += sum(proposed)
                 self.num_spec_rows += sum(1 for n in proposed if n)
             else:

@@ -1,0 +1,174 @@
+"""Speculative decoding (n-gram) at tensor_parallel_size=2: greedy tokens equal TP=1's without
+speculation; the non-output rank builds its rows from the output rank's drafts and row starts.
+
+Every TP=2 engine here is two real device processes in a gloo group (the Ray variant: two Ray
+actors), each with its shard; the target is test_spec_decode's repetitive checkpoint, whose greedy
+output soon repeats so that n-gram drafts are accepted in runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+from support.workloads import drive
+from test_spec_decode import ENGINE, PROMPT, deltas_of, ngram, target, workloads  # noqa: F401
+
+from neuron_async_sm import LLM, SamplingParams
+from neuron_async_sm.worker.input_batch import POISON_TOKEN, InputBatch
+
+
+@pytest.fixture(scope="module")
+def churn(target):  # noqa: F811
+    """Greedy churny workloads (arrivals, chunked prompts, stops, aborts) and their tokens at TP=1
+    without speculation, sync: the reference. Outputs long enough that the target's greedy output
+    settles into a cycle, so that most rows verify drafts and most drafts are accepted."""
+    rng = random.Random(7)
+    batches = [[longer(item, rng) for item in items] for items in workloads(7, 2)]
+    with LLM(target, async_scheduling=False, **ENGINE) as llm:
+        return batches, [drive(llm, items, aborts=False) for items in batches]
+
+
+def longer(item, rng: random.Random):
+    params = dataclasses.replace(item.params, temperature=0.0, max_tokens=rng.randint(20, 80))
+    return dataclasses.replace(item, params=params)
+
+
+def check_tp2(llm: LLM, churn: tuple) -> None:
+    """`llm` (two ranks, speculating) gives the reference's tokens on churn; an aborted request a prefix."""
+    batches, expected = churn
+    assert len(llm.engine.runtimes) == 2
+    for items, want in zip(batches, expected, strict=True):
+        got = drive(llm, items, aborts=True)
+        for item in items:
+            rid = item.request_id
+            if got.finish[rid] == "abort":
+                assert got.tokens[rid] == want.tokens[rid][: len(got.tokens[rid])], rid
+            else:
+                assert (got.tokens[rid], got.finish[rid]) == (want.tokens[rid], want.finish[rid]), rid
+    spec = llm.stats()["spec_decode"]
+    # Most rows verified drafts and most drafts were accepted: runs, not only rejections.
+    assert spec["num_spec_rows"] > 20 and spec["num_accepted_tokens"] > spec["num_draft_tokens"] // 2, spec
+    # The drafts came from the output rank's history: the other rank never brought a token to the host.
+    output_rank, other = (runtime.stats().host_transfers for runtime in llm.engine.runtimes)
+    assert output_rank > 0 and other == 0, (output_rank, other)
+
+
+@pytest.mark.parametrize(
+    ("async_scheduling", "k"),
+    [(True, 1), (True, 2), (True, 3), (True, 4), (False, 1), (False, 4)],
+    ids=["async-1", "async-2", "async-3", "async-4", "sync-1", "sync-4"],
+)
+def test_tp2_greedy_tokens_with_speculation_equal_tp1_tokens_without(target, churn, k, async_scheduling):  # noqa: F811
+    with LLM(
+        target, tensor_parallel_size=2, async_scheduling=async_scheduling, speculative_config=ngram(k), **ENGINE
+    ) as llm:
+        check_tp2(llm, churn)
+
+
+# -- against transformers' prompt lookup ---------------------------------------------------------------
+
+
+def hf_prompt_lookup(model, prompt: list[int], max_new_tokens: int, k: int) -> list[int]:
+    """transformers' greedy generate with prompt lookup decoding (its own n-gram drafter, k drafts)."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        prompt_lookup_num_tokens=k,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(("async_scheduling", "k"), [(True, 2), (False, 4)], ids=["async-2", "sync-4"])
+def test_greedy_speculation_equals_transformers_prompt_lookup(target, async_scheduling, k):  # noqa: F811
+    """Both verify drafts greedily on the same float64 checkpoint; their lookups may pick other matches
+    (transformers' takes the earliest occurrence of a suffix of at most 2 tokens, ours the latest of
+    up to 4), which changes only what is accepted: the tokens are the greedy ones either way."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.LlamaForCausalLM.from_pretrained(target, dtype=torch.float64).eval()
+    rng = random.Random(3)
+    prompts = [PROMPT, [rng.randrange(3, 1024) for _ in range(30)], [5, 6, 7, 8] * 6]
+    expected = [hf_prompt_lookup(model, prompt, 40, k) for prompt in prompts]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with LLM(target, async_scheduling=async_scheduling, speculative_config=ngram(k), **ENGINE) as llm:
+        got = [out.output_token_ids for out in llm.generate(prompts, params)]
+        spec = llm.stats()["spec_decode"]
+    assert got == expected
+    assert spec["num_accepted_tokens"] > 40, spec  # most tokens came in accepted runs
+
+
+# -- a row in flight past max_tokens, and the slot its request frees --------------------------------------
+
+
+def own_history(batch: InputBatch, continuations: dict[str, list[int]]) -> None:
+    """Every request the worker holds has in its slot its prompt, then its own greedy tokens, then
+    nothing (POISON_TOKEN): no token of the slot's previous owner survives."""
+    with batch.lock:  # the output thread writes back under it
+        for req_id, state in batch.requests.items():
+            slot, held = state.kv_slot, int(batch.num_tokens[state.kv_slot])
+            row = batch.token_ids[slot].tolist()
+            assert row[: state.num_prompt_tokens] == state.prompt_token_ids, req_id
+            outputs = row[state.num_prompt_tokens : held]
+            assert outputs == continuations[req_id][: len(outputs)], req_id
+            assert set(row[held:]) <= {POISON_TOKEN}, (req_id, "a previous owner's token in the slot")
+
+
+def test_a_row_in_flight_past_max_tokens_is_never_emitted_nor_left_in_its_recycled_slot(target, tmp_path):  # noqa: F811
+    """Async, one KV slot: request A's max_tokens falls inside an accepted run (its second token), so
+    the row of A scheduled while that run was in flight verifies drafts past max_tokens. That row's
+    tokens are never emitted; B, queued behind A, takes A's slot at once (the device still runs A's
+    row first) and gives its own tokens, with nothing of A in the slot's token history."""
+    engine = {**ENGINE, "max_num_seqs": 1}
+    long = SamplingParams(max_tokens=60, ignore_eos=True)
+    other = [21, 22, 23, 24, 25, 26]
+    with LLM(target, async_scheduling=False, **engine) as plain:
+        lead = [t for tokens, _ in deltas_of(plain, PROMPT, long) for t in tokens]
+        prompt = PROMPT + lead[:40]  # its greedy continuation repeats what the prompt ends with
+        full = [t for tokens, _ in deltas_of(plain, prompt, long) for t in tokens]
+        b_full = [t for tokens, _ in deltas_of(plain, other, long) for t in tokens]
+    trace = tmp_path / "trace.ndjson"
+    with LLM(target, async_scheduling=True, speculative_config=ngram(4), trace_path=str(trace), **engine) as llm:
+        start, cut = 0, None
+        for tokens, _ in deltas_of(llm, prompt, long):
+            if len(tokens) >= 3:
+                cut = start + 2  # A's last output is the run's second token
+                break
+            start += len(tokens)
+        assert cut is not None, "no accepted run of three tokens: the workload does not test this"
+        a = llm.add_request(prompt, SamplingParams(max_tokens=cut, ignore_eos=True))
+        b = llm.add_request(other, SamplingParams(max_tokens=20, ignore_eos=True))
+        got: dict[str, list[int]] = {a: [], b: []}
+        while llm.has_unfinished_requests():
+            for delta in llm.step():
+                got[delta.request_id] += delta.new_token_ids
+            own_history(llm.engine.runner.batch, {a: full, b: b_full})
+    assert got == {a: full[:cut], b: b_full[:20]}
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    materialized = [e for e in events if e["event"] == "Materialize"]
+    rows = [(e["step"], r, p) for e in materialized for r, p in zip(e["req_ids"], e["positions"], strict=True)]
+    past = [step for step, r, p in rows if r == a and p is not None and p > len(prompt) + cut - 1]
+    assert past, "no row of A verified drafts past its max_tokens: the case was not built"
+    assert any(r == b and step == past[0] + 1 for step, r, _ in rows), "B did not take the slot at once"
+
+
+def test_ray_tp2_greedy_tokens_with_speculation_equal_tp1_tokens_without(target, churn):  # noqa: F811
+    """The same on Ray actors: the hand-off is the executor's, on the host, whatever runs the ranks."""
+    ray = pytest.importorskip("ray")
+    try:
+        with LLM(
+            target,
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+            speculative_config=ngram(3),
+            **ENGINE,
+        ) as llm:
+            check_tp2(llm, churn)
+    finally:
+        ray.shutdown()  # its daemons with it
