@@ -35,17 +35,6 @@ from neuron_async_sm.values import is_int
 if TYPE_CHECKING:
     import numpy as np
 
-# Logits processing (model/logits_processors.py) and each parameter's "off" value: speculative
-# verification samples without it, so a request that uses one is refused under speculation.
-_PROCESSING_OFF = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
-    "min_tokens": 0,
-    "logit_bias": (),
-}
-
 
 class Scheduler:
     """Waiting and running queues, KV slots, the token budget, and stop conditions."""
@@ -108,11 +97,6 @@ class Scheduler:
         if outside:
             raise InvalidRequestError(
                 f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        if self.num_spec_tokens and params.processes_logits:
-            used = [name for name, off in _PROCESSING_OFF.items() if getattr(params, name) != off]
-            raise InvalidRequestError(
-                f"{used[0]}: not supported with speculative decoding yet (verification does not process logits)"
             )
         eos = () if params.ignore_eos else self.eos_token_ids
         request.stop_token_set = frozenset(params.stop_token_ids).union(eos)

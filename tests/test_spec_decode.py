@@ -16,7 +16,7 @@ import pytest
 import torch
 from support.workloads import drive, random_workload
 
-from neuron_async_sm import LLM, InvalidRequestError, SamplingParams
+from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.bench.checkpoint import write_checkpoint
 from neuron_async_sm.config import ConfigError, EngineConfig
 from neuron_async_sm.model.sampler import sample_tokens
@@ -145,14 +145,12 @@ def test_the_relay_switched_off_under_speculation_says_so_in_one_line(caplog):
     assert len(lines) == 1 and lines[0].startswith("async_relay: off with speculative_config"), lines
 
 
-def test_a_request_that_processes_logits_is_refused_under_speculation():
+def test_a_request_that_processes_logits_is_accepted_under_speculation():
+    """Verification processes each position's logits (tests/test_spec_decode_tp.py checks the tokens)."""
     config = EngineConfig(max_model_len=32, speculative_config=ngram(2))
     scheduler = Scheduler(config, eos_token_ids=(), vocab_size=100)
     for field, value in [("presence_penalty", 0.5), ("min_p", 0.1), ("min_tokens", 2), ("logit_bias", {5: 1.0})]:
-        params = SamplingParams(**{field: value})
-        with pytest.raises(InvalidRequestError, match=f"^{field}: not supported with speculative decoding"):
-            scheduler.add_request(Request(field, [1, 2], params, 0, 0))
-    scheduler.add_request(Request("plain", [1, 2], SamplingParams(), 0, 0))  # nothing processed: accepted
+        scheduler.add_request(Request(field, [1, 2], SamplingParams(**{field: value}), 0, 0))
 
 
 # -- equality with no speculation ---------------------------------------------------------------------

@@ -14,20 +14,24 @@ import random
 
 import pytest
 import torch
-from support.workloads import drive
-from test_spec_decode import ENGINE, PROMPT, deltas_of, ngram, target, workloads  # noqa: F401
+from support.workloads import WorkItem, drive, random_workload
+from test_spec_decode import ENGINE, PROMPT, deltas_of, ngram, target  # noqa: F401
 
 from neuron_async_sm import LLM, SamplingParams
+from neuron_async_sm.model.spec_decode import rejection_sample
 from neuron_async_sm.worker.input_batch import POISON_TOKEN, InputBatch
 
 
 @pytest.fixture(scope="module")
 def churn(target):  # noqa: F811
-    """Greedy churny workloads (arrivals, chunked prompts, stops, aborts) and their tokens at TP=1
-    without speculation, sync: the reference. Outputs long enough that the target's greedy output
-    settles into a cycle, so that most rows verify drafts and most drafts are accepted."""
+    """Greedy churny workloads (arrivals, chunked prompts, stops, aborts; most requests with logits
+    processing) and their tokens at TP=1 without speculation, sync: the reference. Outputs long
+    enough that the target's greedy output settles into a cycle, so that most rows verify drafts
+    and most drafts are accepted."""
     rng = random.Random(7)
-    batches = [[longer(item, rng) for item in items] for items in workloads(7, 2)]
+    batches = [
+        [longer(item, rng) for item in random_workload(rng, f"w{n}", max_prompt=40, processing=True)] for n in range(2)
+    ]
     with LLM(target, async_scheduling=False, **ENGINE) as llm:
         return batches, [drive(llm, items, aborts=False) for items in batches]
 
@@ -37,11 +41,12 @@ def longer(item, rng: random.Random):
     return dataclasses.replace(item, params=params)
 
 
-def check_tp2(llm: LLM, churn: tuple) -> None:
-    """`llm` (two ranks, speculating) gives the reference's tokens on churn; an aborted request a prefix."""
+def check_tp2(llm: LLM, churn: tuple, num_batches: int = 2) -> None:
+    """`llm` (two ranks, speculating) gives the reference's tokens on the first `num_batches` churny
+    workloads; an aborted request a prefix of them."""
     batches, expected = churn
     assert len(llm.engine.runtimes) == 2
-    for items, want in zip(batches, expected, strict=True):
+    for items, want in list(zip(batches, expected, strict=True))[:num_batches]:
         got = drive(llm, items, aborts=True)
         for item in items:
             rid = item.request_id
@@ -51,7 +56,9 @@ def check_tp2(llm: LLM, churn: tuple) -> None:
                 assert (got.tokens[rid], got.finish[rid]) == (want.tokens[rid], want.finish[rid]), rid
     spec = llm.stats()["spec_decode"]
     # Most rows verified drafts and most drafts were accepted: runs, not only rejections.
-    assert spec["num_spec_rows"] > 20 and spec["num_accepted_tokens"] > spec["num_draft_tokens"] // 2, spec
+    assert spec["num_spec_rows"] > 10 * num_batches and spec["num_accepted_tokens"] > spec["num_draft_tokens"] // 2, (
+        spec
+    )
     # The drafts came from the output rank's history: the other rank never brought a token to the host.
     output_rank, other = (runtime.stats().host_transfers for runtime in llm.engine.runtimes)
     assert output_rank > 0 and other == 0, (output_rank, other)
@@ -59,8 +66,8 @@ def check_tp2(llm: LLM, churn: tuple) -> None:
 
 @pytest.mark.parametrize(
     ("async_scheduling", "k"),
-    [(True, 1), (True, 2), (True, 3), (True, 4), (False, 1), (False, 4)],
-    ids=["async-1", "async-2", "async-3", "async-4", "sync-1", "sync-4"],
+    [(True, 1), (False, 2), (True, 3), (False, 4)],  # every k and both modes, in four engines of two ranks
+    ids=["async-1", "sync-2", "async-3", "sync-4"],
 )
 def test_tp2_greedy_tokens_with_speculation_equal_tp1_tokens_without(target, churn, k, async_scheduling):  # noqa: F811
     with LLM(
@@ -86,22 +93,21 @@ def hf_prompt_lookup(model, prompt: list[int], max_new_tokens: int, k: int) -> l
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize(("async_scheduling", "k"), [(True, 2), (False, 4)], ids=["async-2", "sync-4"])
-def test_greedy_speculation_equals_transformers_prompt_lookup(target, async_scheduling, k):  # noqa: F811
+def test_greedy_speculation_equals_transformers_prompt_lookup(target):  # noqa: F811
     """Both verify drafts greedily on the same float64 checkpoint; their lookups may pick other matches
     (transformers' takes the earliest occurrence of a suffix of at most 2 tokens, ours the latest of
     up to 4), which changes only what is accepted: the tokens are the greedy ones either way."""
     transformers = pytest.importorskip("transformers")
     model = transformers.LlamaForCausalLM.from_pretrained(target, dtype=torch.float64).eval()
-    rng = random.Random(3)
+    rng, k = random.Random(3), 3
     prompts = [PROMPT, [rng.randrange(3, 1024) for _ in range(30)], [5, 6, 7, 8] * 6]
-    expected = [hf_prompt_lookup(model, prompt, 40, k) for prompt in prompts]
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    with LLM(target, async_scheduling=async_scheduling, speculative_config=ngram(k), **ENGINE) as llm:
+    expected = [hf_prompt_lookup(model, prompt, 32, k) for prompt in prompts]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    with LLM(target, async_scheduling=True, speculative_config=ngram(k), **ENGINE) as llm:
         got = [out.output_token_ids for out in llm.generate(prompts, params)]
         spec = llm.stats()["spec_decode"]
     assert got == expected
-    assert spec["num_accepted_tokens"] > 40, spec  # most tokens came in accepted runs
+    assert spec["num_accepted_tokens"] > 32, spec  # most tokens came in accepted runs
 
 
 # -- a row in flight past max_tokens, and the slot its request frees --------------------------------------
@@ -166,9 +172,85 @@ def test_ray_tp2_greedy_tokens_with_speculation_equal_tp1_tokens_without(target,
             target,
             tensor_parallel_size=2,
             distributed_executor_backend="ray",
-            speculative_config=ngram(3),
+            speculative_config=ngram(2),
             **ENGINE,
         ) as llm:
-            check_tp2(llm, churn)
+            check_tp2(llm, churn, num_batches=1)
     finally:
         ray.shutdown()  # its daemons with it
+
+
+# -- logits processing in verification ---------------------------------------------------------------------
+
+
+def processing_cases(lead: list[int]) -> dict[str, tuple[list[int], SamplingParams]]:
+    """Requests whose processing changes tokens inside accepted runs. `lead` is the target's greedy
+    continuation of PROMPT, which soon cycles: a prompt holding it makes most runs long."""
+    prompt = PROMPT + lead[:40]
+    stop = next(t for t in range(3, 1024) if t not in prompt)
+    plain = dict(max_tokens=50, ignore_eos=True)
+    return {
+        # The biased token repeats until its own count outweighs the bias: each position of a run
+        # must count the drafts before it.
+        "frequency": (PROMPT, SamplingParams(**plain, logit_bias={7: 12.0}, frequency_penalty=1.0)),
+        "presence and repetition": (prompt, SamplingParams(**plain, presence_penalty=0.8, repetition_penalty=1.3)),
+        # A token every position prefers, a stop token held back until output 23: the run that
+        # reaches output 23 must stop there, so each position must know its own output index.
+        "min_tokens": (prompt, SamplingParams(**plain, min_tokens=23, stop_token_ids=(stop,), logit_bias={stop: 50.0})),
+        "min_p and bias": (prompt, SamplingParams(**plain, min_p=0.2, logit_bias={lead[30]: -5.0})),
+    }
+
+
+@pytest.fixture(scope="module")
+def processed(target):  # noqa: F811
+    """The processing cases, all at once, and their greedy tokens without speculation (sync)."""
+    with LLM(target, async_scheduling=False, **ENGINE) as llm:
+        lead = llm.generate([PROMPT], SamplingParams(max_tokens=60, ignore_eos=True))[0].output_token_ids
+        items = [WorkItem(name, prompt, params, 0) for name, (prompt, params) in processing_cases(lead).items()]
+        return items, drive(llm, items, aborts=False).tokens
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_tokens_with_logits_processing_equal_tokens_without_speculation(target, processed, async_scheduling):  # noqa: F811
+    items, expected = processed
+    with LLM(target, async_scheduling=async_scheduling, speculative_config=ngram(4), **ENGINE) as llm:
+        got = drive(llm, items, aborts=False).tokens
+        spec = llm.stats()["spec_decode"]
+    for name in expected:
+        assert got[name] == expected[name], name
+    assert spec["num_accepted_tokens"] > 40, spec  # the cases' tokens came mostly in accepted runs
+
+
+def test_rejection_sample_under_min_p_never_gives_a_token_min_p_drops():
+    """A draft below min_p's floor is never accepted and no token below it is drawn: the tokens
+    follow the min_p-filtered distribution, as the sampler's do without speculation."""
+    vocab, rows = 5, 4000
+    base = torch.tensor([2.0, 1.6, 0.5, 0.0, -1.0], dtype=torch.float64)  # p ≈ .47 .32 .10 .06 .02
+    logits = base.expand(rows, 2, vocab).clone()
+    params = dict(
+        temperature=torch.ones(rows),
+        top_k=torch.zeros(rows, dtype=torch.int32),
+        top_p=torch.ones(rows),
+        seeds=torch.arange(rows, dtype=torch.int64),
+        output_index=torch.full((rows,), 3, dtype=torch.int64),
+        min_p=torch.full((rows,), 0.3),  # keeps tokens 0 and 1 only
+    )
+    for draft in (2, 1):
+        out = rejection_sample(logits, torch.tensor([[draft, -1]]).expand(rows, 2), **params)
+        assert set(out[:, 0].tolist()) <= {0, 1}, draft
+        kept = torch.softmax(base[:2], -1)
+        freq = torch.bincount(out[:, 0], minlength=2).double() / rows
+        assert (freq - kept).abs().max().item() < 0.03, draft
+
+
+def test_seeded_sampling_with_processing_under_speculation_gives_the_same_tokens_async_and_sync(target):  # noqa: F811
+    rng = random.Random(5)
+    batches = [random_workload(rng, f"p{n}", max_prompt=40, processing=True) for n in range(2)]
+    with (
+        LLM(target, async_scheduling=False, speculative_config=ngram(3), **ENGINE) as sync_llm,
+        LLM(target, async_scheduling=True, speculative_config=ngram(3), **ENGINE) as async_llm,
+    ):
+        for items in batches:
+            want, got = drive(sync_llm, items, aborts=False), drive(async_llm, items, aborts=False)
+            assert got.tokens == want.tokens and got.finish == want.finish
+        assert async_llm.stats()["spec_decode"]["num_accepted_tokens"] > 0

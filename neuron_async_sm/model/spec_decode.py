@@ -7,6 +7,12 @@ output is the accepted drafts, then one more token (the recovered token at the f
 the bonus after the last draft), then -1 (docs/spec-decode.md §2, §8). Prefill and plain decode rows
 are rows with no drafts: their one token is the ordinary sample at their last position.
 
+Logits processing (penalties, logit_bias, min_tokens; min_p in the sampler): each verified
+position is processed as an ordinary step processes the one it samples, with the history that
+position would have without speculation, the drafts before it included: the forward writes the
+token history (`TokenHistory`) at every position of the row, drafts too, and position c counts the
+row's tokens up to its own; its output index is the row's plus c.
+
 KV of rejected drafts: written at positions past the request's accepted tokens. No later query
 attends to them (a query attends to positions up to its own), and the request's next row starts at
 its last accepted token, so it overwrites them before any query could reach them.
@@ -17,9 +23,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from neuron_async_sm.model.logits_processors import parts_used, process_logits
 from neuron_async_sm.model.packed import PackedBatch
 from neuron_async_sm.model.program import StepProgram
-from neuron_async_sm.model.sampler import _filtered_out, sample_tokens, uniform_noise
+from neuron_async_sm.model.sampler import _below_min_p, _filtered_out, sample_tokens, uniform_noise
 
 # The acceptance draw's stream: its key is output_index with this bit set, so it never equals an
 # ordinary sample's key (an output index is far below 2**62) and the plain stream stays today's.
@@ -35,18 +42,21 @@ def rejection_sample(
     top_p: torch.Tensor,
     seeds: torch.Tensor,
     output_index: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The tokens a spec row emits, int64 `[B, W]` (-1 past them), from the target's logits `[B, W, vocab]`
     at the row's last accepted token and each draft, and `drafts` int64 `[B, W]`: drafts[b, c] is the
     draft after logits position c (-1: none; a row's drafts are a prefix of its columns).
 
-    Per row: temperature, top_k, top_p, seeds `[B]`; output_index `[B]` the output index of the token
-    at position 0 (position c: output_index + c). Greedy: a draft is accepted while it equals the
-    argmax. Sampled, the drafter's q one-hot on its draft (n-gram): accepted when u < p(d), u drawn
-    per (seed, output index) in its own stream; at a rejection the token is drawn from p without d,
-    with the ordinary sampler's noise for that output index, so it is the ordinary sample whenever
-    that is not d. With no draft left the bonus is the ordinary sample. Every draw is keyed by
-    (seed, output index) alone: the same tokens in any batch, in async and in sync mode.
+    Per row: temperature, top_k, top_p, seeds `[B]`, min_p `[B]` (None: off); output_index `[B]` the
+    output index of the token at position 0 (position c: output_index + c). The logits are processed
+    already (penalties, logit_bias, min_tokens: `SpecStepProgram`); min_p filters as the sampler does.
+    Greedy: a draft is accepted while it equals the argmax. Sampled, the drafter's q one-hot on its
+    draft (n-gram): accepted when u < p(d), u drawn per (seed, output index) in its own stream; at a
+    rejection the token is drawn from p without d, with the ordinary sampler's noise for that output
+    index, so it is the ordinary sample whenever that is not d. With no draft left the bonus is the
+    ordinary sample. Every draw is keyed by (seed, output index) alone: the same tokens in any batch,
+    in async and in sync mode.
     """
     b, width, vocab = logits.shape
     flat = logits.reshape(b * width, vocab)
@@ -56,7 +66,8 @@ def rejection_sample(
         return x.repeat_interleave(width)
 
     temp, k, p, seed = (per_position(x) for x in (temperature, top_k, top_p, seeds))
-    sampled = sample_tokens(flat, temperature=temp, top_k=k, top_p=p, seeds=seed, output_index=index)  # [B*W]
+    floor = None if min_p is None else per_position(min_p)
+    sampled = sample_tokens(flat, temperature=temp, top_k=k, top_p=p, seeds=seed, output_index=index, min_p=floor)
     greedy = temp <= 0
     draft = drafts.reshape(-1).long()
     has_draft = draft >= 0
@@ -64,6 +75,8 @@ def rejection_sample(
         return _runs(has_draft & (draft == sampled), draft, sampled, b, width)
     safe = draft.clamp(min=0).unsqueeze(1)  # [B*W, 1]
     scaled = flat.double() / torch.where(greedy, 1.0, temp.double()).unsqueeze(1)
+    if floor is not None:  # the sampler's order: min_p, then top-k and top-p
+        scaled = scaled.masked_fill(_below_min_p(scaled, floor), float("-inf"))
     scaled = scaled.masked_fill(_filtered_out(scaled, k, p, (k > 0) & (k < vocab), p < 1.0), float("-inf"))
     p_draft = torch.softmax(scaled, dim=-1).gather(1, safe).squeeze(1)  # p(d) [B*W]
     u = uniform_noise(seed, index | ACCEPT_STREAM, 1)[:, 0]  # [B*W]
@@ -110,6 +123,7 @@ class SpecStepProgram:
         seeds: torch.Tensor,
         output_index: torch.Tensor,
         num_drafts: torch.Tensor,
+        **processing: torch.Tensor,
     ) -> torch.Tensor:
         program, width = self.program, self.width
         ids = input_ids if input_ids.dim() == 2 else input_ids.unsqueeze(1)  # [B, L]
@@ -128,6 +142,10 @@ class SpecStepProgram:
         with program._no_autograd():
             batch = program._prepare(ids, pos, query_lens, slot_ids)
             dev = program.device
+            processed = program._processing_inputs(processing)
+            parts = parts_used(processing) if processed is not None else frozenset()
+            if "penalties" in parts:  # the drafts too: a later position's penalties count those before it
+                program._write_history(batch)
             if isinstance(batch, PackedBatch):
                 if batch.input_ids.numel() == 0:  # all padding: nothing ran
                     return torch.full((rows, width), -1, dtype=torch.int32)
@@ -138,6 +156,9 @@ class SpecStepProgram:
                 hidden = program.model.hidden_states(batch, program.kv_cache)  # [B, L, hidden]
                 picked = hidden[torch.arange(rows, device=dev).unsqueeze(1), torch.from_numpy(at).to(dev)]
             logits = program.model.logits_of(picked)  # [B, W, vocab]
+            if processed is not None:
+                first_pos = pos.numpy()[np.arange(rows), np.minimum(first, length - 1)].astype(np.int64)  # [B]
+                logits = self._process(logits, processed, parts, slot_ids, first_pos, lens, output_index)
             out = rejection_sample(
                 logits,
                 torch.from_numpy(draft_ids).to(dev),
@@ -146,5 +167,36 @@ class SpecStepProgram:
                 top_p=top_p.to(dev),
                 seeds=seeds.to(dev),
                 output_index=output_index.to(dev),
+                min_p=processed["min_p"] if "min_p" in parts else None,
             )
             return out.masked_fill(torch.from_numpy(lens == 0).to(dev).unsqueeze(1), -1).to(torch.int32)
+
+    def _process(
+        self,
+        logits: torch.Tensor,
+        processed: dict[str, torch.Tensor],
+        parts: frozenset[str],
+        slot_ids: torch.Tensor,
+        first_pos: np.ndarray,
+        lens: np.ndarray,
+        output_index: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits `[B, W, vocab]` after min_tokens, logit_bias and the penalties, each verified position
+        processed as the ordinary step processes the one it samples: position c of a row (its last
+        accepted token, then drafts) counts the row's tokens up to c, its c drafts included, and its
+        output index is output_index + c. first_pos `[B]`: the position of each row's first verified
+        token; lens `[B]`: its real tokens (0: a padding row, which counts nothing)."""
+        program, width = self.program, self.width
+        rows, _, vocab = logits.shape
+        dev = program.device
+        cols = np.arange(width)[None, :]
+        counts = np.where(lens[:, None] > 0, first_pos[:, None] + 1 + cols, 0).reshape(-1)  # [B*W]
+        counts = np.minimum(counts, program.spec.max_model_len)  # columns past a row's drafts are unread
+        slots = torch.from_numpy(slot_ids.numpy().astype(np.int64)).repeat_interleave(width).to(dev)  # [B*W]
+        history = program.history.rows(slots, max(int(counts.max()), 1))  # [B*W, T]
+        index = (output_index.long().unsqueeze(1) + torch.arange(width)).reshape(-1).to(dev)  # [B*W]
+        expanded = {name: value.repeat_interleave(width, dim=0) for name, value in processed.items()}
+        flat = process_logits(
+            logits.reshape(rows * width, vocab), expanded, history, torch.from_numpy(counts).to(dev), index, parts
+        )
+        return flat.reshape(rows, width, vocab)
