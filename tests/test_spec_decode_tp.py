@@ -126,11 +126,11 @@ def own_history(batch: InputBatch, continuations: dict[str, list[int]]) -> None:
             assert set(row[held:]) <= {POISON_TOKEN}, (req_id, "a previous owner's token in the slot")
 
 
-def test_a_row_in_flight_past_max_tokens_is_never_emitted_nor_left_in_its_recycled_slot(target, tmp_path):  # noqa: F811
-    """Async, one KV slot: request A's max_tokens falls inside an accepted run (its second token), so
-    the row of A scheduled while that run was in flight verifies drafts past max_tokens. That row's
-    tokens are never emitted; B, queued behind A, takes A's slot at once (the device still runs A's
-    row first) and gives its own tokens, with nothing of A in the slot's token history."""
+def test_a_row_in_flight_past_a_stop_is_never_emitted_nor_left_in_its_recycled_slot(target, tmp_path):  # noqa: F811
+    """Async, one KV slot: request A ends at an accepted run's second token (by max_tokens, then by a
+    stop token), so the row of A scheduled while that run was in flight verifies drafts past A's
+    end. That row's tokens are never emitted; B, queued behind A, takes A's slot at once (the device
+    still runs A's row first) and gives its own tokens, with nothing of A in the slot's history."""
     engine = {**ENGINE, "max_num_seqs": 1}
     long = SamplingParams(max_tokens=60, ignore_eos=True)
     other = [21, 22, 23, 24, 25, 26]
@@ -141,27 +141,33 @@ def test_a_row_in_flight_past_max_tokens_is_never_emitted_nor_left_in_its_recycl
         b_full = [t for tokens, _ in deltas_of(plain, other, long) for t in tokens]
     trace = tmp_path / "trace.ndjson"
     with LLM(target, async_scheduling=True, speculative_config=ngram(4), trace_path=str(trace), **engine) as llm:
-        start, cut = 0, None
+        start, chosen = 0, None
         for tokens, _ in deltas_of(llm, prompt, long):
-            if len(tokens) >= 3:
-                cut = start + 2  # A's last output is the run's second token
+            if len(tokens) >= 3 and tokens[1] not in full[: start + 1]:  # a stop there ends A there
+                chosen = tokens
                 break
             start += len(tokens)
-        assert cut is not None, "no accepted run of three tokens: the workload does not test this"
-        a = llm.add_request(prompt, SamplingParams(max_tokens=cut, ignore_eos=True))
-        b = llm.add_request(other, SamplingParams(max_tokens=20, ignore_eos=True))
-        got: dict[str, list[int]] = {a: [], b: []}
-        while llm.has_unfinished_requests():
-            for delta in llm.step():
-                got[delta.request_id] += delta.new_token_ids
-            own_history(llm.engine.runner.batch, {a: full, b: b_full})
-    assert got == {a: full[:cut], b: b_full[:20]}
-    events = [json.loads(line) for line in trace.read_text().splitlines()]
-    materialized = [e for e in events if e["event"] == "Materialize"]
-    rows = [(e["step"], r, p) for e in materialized for r, p in zip(e["req_ids"], e["positions"], strict=True)]
-    past = [step for step, r, p in rows if r == a and p is not None and p > len(prompt) + cut - 1]
-    assert past, "no row of A verified drafts past its max_tokens: the case was not built"
-    assert any(r == b and step == past[0] + 1 for step, r, _ in rows), "B did not take the slot at once"
+        assert chosen is not None, "no accepted run of three tokens: the workload does not test this"
+        cut = start + 2  # A's last output is the run's second token
+        ends = {
+            "length": SamplingParams(max_tokens=cut, ignore_eos=True),
+            "stop": SamplingParams(max_tokens=60, ignore_eos=True, stop_token_ids=(chosen[1],)),
+        }
+        for reason, params in ends.items():
+            a = llm.add_request(prompt, params)
+            b = llm.add_request(other, SamplingParams(max_tokens=20, ignore_eos=True))
+            got: dict[str, list[int]] = {a: [], b: []}
+            while llm.has_unfinished_requests():
+                for delta in llm.step():
+                    got[delta.request_id] += delta.new_token_ids
+                own_history(llm.engine.runner.batch, {a: full, b: b_full})
+            assert got == {a: full[:cut], b: b_full[:20]}, reason
+            events = [json.loads(line) for line in trace.read_text().splitlines()]
+            materialized = [e for e in events if e["event"] == "Materialize"]
+            rows = [(e["step"], r, p) for e in materialized for r, p in zip(e["req_ids"], e["positions"], strict=True)]
+            past = [step for step, r, p in rows if r == a and p is not None and p > len(prompt) + cut - 1]
+            assert past, f"{reason}: no row of A verified drafts past its end; the case was not built"
+            assert any(r == b and step == past[0] + 1 for step, r, _ in rows), f"{reason}: B waited"
 
 
 def test_ray_tp2_greedy_tokens_with_speculation_equal_tp1_tokens_without(target, churn):  # noqa: F811
