@@ -1,9 +1,11 @@
-"""Speculative decoding (n-gram) at tensor_parallel_size=2: greedy tokens equal TP=1's without
-speculation; the non-output rank builds its rows from the output rank's drafts and row starts.
+"""Speculative decoding (n-gram), what tests/test_spec_decode.py leaves: at tensor_parallel_size=2
+(the non-output rank builds its rows from the output rank's drafts and row starts), against
+transformers' prompt lookup, a row in flight past its request's end, and logits processing in
+verification.
 
-Every TP=2 engine here is two real device processes in a gloo group (the Ray variant: two Ray
-actors), each with its shard; the target is test_spec_decode's repetitive checkpoint, whose greedy
-output soon repeats so that n-gram drafts are accepted in runs.
+Every TP=2 engine here is two real device processes in a gloo group, each with its shard; the
+target is test_spec_decode's repetitive checkpoint, whose greedy output soon repeats so that n-gram
+drafts are accepted in runs.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def churn(target):  # noqa: F811
     and most drafts are accepted."""
     rng = random.Random(7)
     batches = [
-        [longer(item, rng) for item in random_workload(rng, f"w{n}", max_prompt=40, processing=True)] for n in range(2)
+        [longer(item, rng) for item in random_workload(rng, f"w{n}", max_prompt=40, processing=True)] for n in range(1)
     ]
     with LLM(target, async_scheduling=False, **ENGINE) as llm:
         return batches, [drive(llm, items, aborts=False) for items in batches]
@@ -41,12 +43,11 @@ def longer(item, rng: random.Random):
     return dataclasses.replace(item, params=params)
 
 
-def check_tp2(llm: LLM, churn: tuple, num_batches: int = 2) -> None:
-    """`llm` (two ranks, speculating) gives the reference's tokens on the first `num_batches` churny
-    workloads; an aborted request a prefix of them."""
+def check_tp2(llm: LLM, churn: tuple) -> None:
+    """`llm` (two ranks, speculating) gives the reference's tokens on churn; an aborted request a prefix."""
     batches, expected = churn
     assert len(llm.engine.runtimes) == 2
-    for items, want in list(zip(batches, expected, strict=True))[:num_batches]:
+    for items, want in zip(batches, expected, strict=True):
         got = drive(llm, items, aborts=True)
         for item in items:
             rid = item.request_id
@@ -56,9 +57,7 @@ def check_tp2(llm: LLM, churn: tuple, num_batches: int = 2) -> None:
                 assert (got.tokens[rid], got.finish[rid]) == (want.tokens[rid], want.finish[rid]), rid
     spec = llm.stats()["spec_decode"]
     # Most rows verified drafts and most drafts were accepted: runs, not only rejections.
-    assert spec["num_spec_rows"] > 10 * num_batches and spec["num_accepted_tokens"] > spec["num_draft_tokens"] // 2, (
-        spec
-    )
+    assert spec["num_spec_rows"] > 10 and spec["num_accepted_tokens"] > spec["num_draft_tokens"] // 2, spec
     # The drafts came from the output rank's history: the other rank never brought a token to the host.
     output_rank, other = (runtime.stats().host_transfers for runtime in llm.engine.runtimes)
     assert output_rank > 0 and other == 0, (output_rank, other)
@@ -170,22 +169,6 @@ def test_a_row_in_flight_past_a_stop_is_never_emitted_nor_left_in_its_recycled_s
             assert any(r == b and step == past[0] + 1 for step, r, _ in rows), f"{reason}: B waited"
 
 
-def test_ray_tp2_greedy_tokens_with_speculation_equal_tp1_tokens_without(target, churn):  # noqa: F811
-    """The same on Ray actors: the hand-off is the executor's, on the host, whatever runs the ranks."""
-    ray = pytest.importorskip("ray")
-    try:
-        with LLM(
-            target,
-            tensor_parallel_size=2,
-            distributed_executor_backend="ray",
-            speculative_config=ngram(2),
-            **ENGINE,
-        ) as llm:
-            check_tp2(llm, churn, num_batches=1)
-    finally:
-        ray.shutdown()  # its daemons with it
-
-
 # -- logits processing in verification ---------------------------------------------------------------------
 
 
@@ -251,7 +234,7 @@ def test_rejection_sample_under_min_p_never_gives_a_token_min_p_drops():
 
 def test_seeded_sampling_with_processing_under_speculation_gives_the_same_tokens_async_and_sync(target):  # noqa: F811
     rng = random.Random(5)
-    batches = [random_workload(rng, f"p{n}", max_prompt=40, processing=True) for n in range(2)]
+    batches = [random_workload(rng, f"p{n}", max_prompt=40, processing=True) for n in range(1)]
     with (
         LLM(target, async_scheduling=False, speculative_config=ngram(3), **ENGINE) as sync_llm,
         LLM(target, async_scheduling=True, speculative_config=ngram(3), **ENGINE) as async_llm,
