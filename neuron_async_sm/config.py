@@ -45,8 +45,8 @@ def flag(default: Any, help: str, **argparse_options: Any) -> Any:
     return field(default=default, metadata={"help": help, **argparse_options})
 
 
-SPEC_METHODS = ("ngram",)
-"""Implemented drafters. `draft_model` (docs/spec-decode.md §1) is designed, not built yet."""
+SPEC_METHODS = ("ngram", "draft_model")
+"""Implemented drafters (docs/spec-decode.md §1)."""
 MAX_SPECULATIVE_TOKENS = 8
 
 
@@ -58,13 +58,21 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 1  # k
     prompt_lookup_max: int = 4  # ngram: longest suffix matched
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched
+    # draft_model: a local Llama checkpoint directory sharing the target's vocabulary and special ids
+    # (checked against the target when the engine starts: engine/core.py's check_draft_model).
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
-            planned = " ('draft_model' is designed in docs/spec-decode.md, not implemented)"
             raise ConfigError(
-                f"speculative_config.method: {self.method!r} is not supported; choose one of {SPEC_METHODS}{planned}"
+                f"speculative_config.method: {self.method!r} is not supported; choose one of {SPEC_METHODS}"
             )
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ConfigError(
+                f"speculative_config.model: method 'draft_model' needs a checkpoint directory, got {self.model!r}"
+            )
+        if self.method != "draft_model" and self.model is not None:
+            raise ConfigError(f"speculative_config.model: only method 'draft_model' takes a model, not {self.method!r}")
         k = self.num_speculative_tokens
         if not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(

@@ -12,7 +12,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from safetensors.torch import save_file
+import torch
+from safetensors.torch import load_file, save_file
 
 from neuron_async_sm.model import TINY_LLAMA_CONFIG, LlamaConfig, load_model_config
 from neuron_async_sm.model.loader import random_state_dict
@@ -80,4 +81,21 @@ def write_checkpoint(
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 weights[name] = weights[name] * layer_scale
     save_file(weights, str(path / "model.safetensors"))
+    return path
+
+
+def write_noisy_copy(source: str | Path, directory: str | Path, noise: float, seed: int = 0) -> Path:
+    """A draft checkpoint for speculative decoding: `source`'s config and weights, each weight plus
+    Gaussian noise of `noise` times that weight's standard deviation (seeded). Same vocabulary and
+    special ids as `source`; the smaller `noise`, the more often its greedy tokens agree with it."""
+    source, path = Path(source), Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text((source / "config.json").read_text(encoding="utf-8"), encoding="utf-8")
+    generator = torch.Generator().manual_seed(seed)
+    weights = load_file(str(source / "model.safetensors"))
+    noisy = {}
+    for name, weight in sorted(weights.items()):
+        scale = noise * float(weight.double().std()) if weight.numel() > 1 else 0.0
+        noisy[name] = weight + scale * torch.randn(weight.shape, generator=generator, dtype=weight.dtype)
+    save_file(noisy, str(path / "model.safetensors"))
     return path

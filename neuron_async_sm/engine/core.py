@@ -12,7 +12,7 @@ import sys
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,6 +31,7 @@ from neuron_async_sm.model import (
     load_model_config,
 )
 from neuron_async_sm.model.config import model_directory, tokenizer_path
+from neuron_async_sm.model.drafter import Drafter, check_draft_model
 from neuron_async_sm.model.loader import checkpoint_path
 from neuron_async_sm.model.parallel import TensorParallelGroup, build_sharded_step_program, check_divisible
 from neuron_async_sm.model.program import RelayPad
@@ -83,12 +84,18 @@ class StepProgramFactory:
     """
 
     def __init__(
-        self, spec: ModelSpec, relay_width: int, group: TensorParallelGroup | None = None, spec_width: int = 0
+        self,
+        spec: ModelSpec,
+        relay_width: int,
+        group: TensorParallelGroup | None = None,
+        spec_width: int = 0,
+        draft_model: str | None = None,
     ) -> None:
         self.spec = spec
         self.relay_width = relay_width  # rows the relay pads the previous output to (compiling devices)
         self.group = group
         self.spec_width = spec_width  # 1 + k with speculative decoding; 0: none
+        self.draft_model = draft_model  # speculative_config.model (draft_model); None: no drafter
 
     def __call__(self, device: torch.device) -> dict:
         if self.group is None:
@@ -102,7 +109,11 @@ class StepProgramFactory:
             RELAY_PAD_PROGRAM: RelayPad(self.relay_width, device),
         }
         if self.spec_width:
-            programs[SPEC_STEP_PROGRAM] = SpecStepProgram(program, self.spec_width)
+            drafter = None
+            if self.draft_model is not None:  # a second Llama and KV cache, same slots and positions
+                draft_spec = replace(self.spec, model=self.draft_model, compile_shapes=())
+                drafter = Drafter(build_step_program(draft_spec, device), self.spec_width - 1)
+            programs[SPEC_STEP_PROGRAM] = SpecStepProgram(program, self.spec_width, drafter)
         return programs
 
 
@@ -136,7 +147,12 @@ def check_before_device_start(config: EngineConfig, model: LlamaConfig) -> Engin
         checkpoint_path(model_directory(config.model))  # raises ModelLoadError naming what is missing
     if config.tensor_parallel_size > 1 and (problem := check_divisible(model, config.tensor_parallel_size)):
         raise ConfigError(f"tensor_parallel_size: {problem}; choose a size that divides it")
-    return resolve_model_len(config, model)  # raises ConfigError naming the numbers and the flags
+    config = resolve_model_len(config, model)  # raises ConfigError naming the numbers and the flags
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        assert config.max_model_len is not None
+        check_draft_model(spec, model, config.max_model_len)
+    return config
 
 
 def model_spec(config: EngineConfig) -> ModelSpec:
@@ -157,11 +173,13 @@ class EngineCore:
         self.tracer = Tracer(config.trace_path)
         self._spec = config.speculative_config is not None  # the trace's AdvanceStep carries token counts
         spec = model_spec(config)
-        spec_width = 0 if config.speculative_config is None else config.speculative_config.width
+        speculative = config.speculative_config
+        spec_width = 0 if speculative is None else speculative.width
+        draft_model = None if speculative is None else speculative.model
         # One runtime per tensor-parallel rank; the output rank's is `runtime`, its runner `runner`.
         self.runtimes = start_ranks(
             config,
-            lambda group: StepProgramFactory(spec, relay_width(config), group, spec_width),
+            lambda group: StepProgramFactory(spec, relay_width(config), group, spec_width, draft_model),
             warmup=warmup_calls(config, self.model_config.vocab_size),  # compiling devices only
             runtime_factory=runtime_factory,
         )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from neuron_async_sm.model.drafter import Drafter
 from neuron_async_sm.model.logits_processors import parts_used, process_logits
 from neuron_async_sm.model.packed import PackedBatch
 from neuron_async_sm.model.program import StepProgram
@@ -43,6 +44,7 @@ def rejection_sample(
     seeds: torch.Tensor,
     output_index: torch.Tensor,
     min_p: torch.Tensor | None = None,
+    draft_probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The tokens a spec row emits, int64 `[B, W]` (-1 past them), from the target's logits `[B, W, vocab]`
     at the row's last accepted token and each draft, and `drafts` int64 `[B, W]`: drafts[b, c] is the
@@ -55,7 +57,9 @@ def rejection_sample(
     draft (n-gram): accepted when u < p(d), u drawn per (seed, output index) in its own stream; at a
     rejection the token is drawn from p without d, with the ordinary sampler's noise for that output
     index, so it is the ordinary sample whenever that is not d. With no draft left the bonus is the
-    ordinary sample. Every draw is keyed by (seed, output index) alone: the same tokens in any batch,
+    ordinary sample. With the drafter's q, float64 `[B, W, vocab]` (`draft_probs`, draft_model: q of
+    the draft after each position), accepted when u * q(d) < p(d), and at a rejection the token is
+    drawn from max(p - q, 0) with the ordinary noise. Every draw is keyed by (seed, output index) alone: the same tokens in any batch,
     in async and in sync mode.
     """
     b, width, vocab = logits.shape
@@ -80,10 +84,21 @@ def rejection_sample(
     scaled = scaled.masked_fill(_filtered_out(scaled, k, p, (k > 0) & (k < vocab), p < 1.0), float("-inf"))
     p_draft = torch.softmax(scaled, dim=-1).gather(1, safe).squeeze(1)  # p(d) [B*W]
     u = uniform_noise(seed, index | ACCEPT_STREAM, 1)[:, 0]  # [B*W]
-    accept = has_draft & torch.where(greedy, draft == flat.argmax(dim=-1), u < p_draft)
-    # The residual max(p - q, 0) for a one-hot q: p without d, by Gumbel-max with the ordinary noise.
     gumbel = -torch.log(-torch.log(uniform_noise(seed, index, vocab)))
-    residual = (scaled + gumbel).scatter(1, safe, float("-inf")).argmax(dim=-1)
+    if draft_probs is None:
+        accept = has_draft & torch.where(greedy, draft == flat.argmax(dim=-1), u < p_draft)
+        # The residual max(p - q, 0) for a one-hot q: p without d, by Gumbel-max with the ordinary noise.
+        residual = (scaled + gumbel).scatter(1, safe, float("-inf")).argmax(dim=-1)
+    else:
+        q = draft_probs.reshape(b * width, vocab).to(scaled.device)
+        q_draft = q.gather(1, safe).squeeze(1)  # q(d) [B*W]
+        accept = has_draft & torch.where(greedy, draft == flat.argmax(dim=-1), u * q_draft < p_draft)
+        p = torch.softmax(scaled, dim=-1)
+        residual = (torch.log((p - q).clamp(min=0.0)) + gumbel).argmax(dim=-1)
+        # The draft was drawn from q, so u * q(d) < p(d) holds whenever p(d) >= q(d): at a rejection
+        # p(d) < q(d), and the residual is nonzero somewhere (both sum to one).
+        recovered = torch.where(greedy, sampled, residual)
+        return _runs(accept, draft, torch.where(has_draft, recovered, sampled), b, width)
     recovered = torch.where(greedy | (sampled != draft), sampled, residual)  # [B*W]
     return _runs(accept, draft, torch.where(has_draft, recovered, sampled), b, width)
 
@@ -104,11 +119,16 @@ class SpecStepProgram:
     come from the host, n-gram) and num_drafts int32 `[B]`, the last num_drafts real tokens of each row
     being drafts. output_index is the output index of the token after each row's first verified
     token (x0 for a spec row, the last token otherwise). Eager only (config: enforce_eager).
+
+    With a `drafter` (draft_model) the output is `[B, 2W]`: the `[B, W]` tokens, then `next_input`
+    `[B, W]`, the row's last accepted token and the k drafts the drafter proposed after it (-1 past
+    them: none for a row without tokens, fewer where they would pass max_model_len).
     """
 
-    def __init__(self, program: StepProgram, width: int) -> None:
+    def __init__(self, program: StepProgram, width: int, drafter: Drafter | None = None) -> None:
         self.program = program
         self.width = width  # W = 1 + k
+        self.drafter = drafter
 
     def __call__(
         self,
@@ -147,8 +167,8 @@ class SpecStepProgram:
             if "penalties" in parts:  # the drafts too: a later position's penalties count those before it
                 program._write_history(batch)
             if isinstance(batch, PackedBatch):
-                if batch.input_ids.numel() == 0:  # all padding: nothing ran
-                    return torch.full((rows, width), -1, dtype=torch.int32)
+                if batch.input_ids.numel() == 0:  # all padding: nothing ran (nor drafted: next_input -1 too)
+                    return torch.full((rows, width * (1 if self.drafter is None else 2)), -1, dtype=torch.int32)
                 starts = np.cumsum(lens) - lens
                 hidden = program.model.hidden_states(batch, program.kv_cache)  # [N, hidden]
                 picked = hidden[torch.from_numpy(np.where(lens[:, None] > 0, starts[:, None] + at, 0)).to(dev)]
@@ -159,17 +179,30 @@ class SpecStepProgram:
             if processed is not None:
                 first_pos = pos.numpy()[np.arange(rows), np.minimum(first, length - 1)].astype(np.int64)  # [B]
                 logits = self._process(logits, processed, parts, slot_ids, first_pos, lens, output_index)
-            out = rejection_sample(
-                logits,
-                torch.from_numpy(draft_ids).to(dev),
+            sampling = dict(
                 temperature=temperature.to(dev),
                 top_k=top_k.to(dev),
                 top_p=top_p.to(dev),
                 seeds=seeds.to(dev),
+            )
+            greedy = bool((temperature <= 0).all())
+            drafter = self.drafter
+            # q of the drafts being verified, read before this step's drafting overwrites it.
+            q = None if drafter is None or greedy else drafter.draft_probs(slot_ids, width)
+            out = rejection_sample(
+                logits,
+                torch.from_numpy(draft_ids).to(dev),
                 output_index=output_index.to(dev),
                 min_p=processed["min_p"] if "min_p" in parts else None,
+                draft_probs=q,
+                **sampling,
             )
-            return out.masked_fill(torch.from_numpy(lens == 0).to(dev).unsqueeze(1), -1).to(torch.int32)
+            out = out.masked_fill(torch.from_numpy(lens == 0).to(dev).unsqueeze(1), -1).to(torch.int32)
+            if drafter is None:
+                return out
+            return torch.cat(
+                [out, self._draft(drafter, out, host_ids, pos, lens, drafted, slot_ids, output_index, sampling)], 1
+            )
 
     def _process(
         self,
@@ -200,3 +233,37 @@ class SpecStepProgram:
             logits.reshape(rows * width, vocab), expanded, history, torch.from_numpy(counts).to(dev), index, parts
         )
         return flat.reshape(rows, width, vocab)
+
+    def _draft(
+        self,
+        drafter: Drafter,
+        out: torch.Tensor,
+        host_ids: np.ndarray,
+        pos: torch.Tensor,
+        lens: np.ndarray,
+        drafted: np.ndarray,
+        slot_ids: torch.Tensor,
+        output_index: torch.Tensor,
+        sampling: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """next_input int32 `[B, W]`: the drafter over each row's accepted tokens, then its drafts."""
+        rows, width = out.shape
+        host_out = out.cpu().numpy().astype(np.int64)  # eager program: the tokens are computed values
+        accepted = np.maximum((host_out >= 0).sum(axis=1) - 1, 0)  # [B] a
+        chunk_lens = np.where(lens > 0, lens - drafted + accepted, 0)  # [B] prompt chunk, or x0 + accepted drafts
+        last = torch.from_numpy(host_out[np.arange(rows), accepted])  # [B] the run's last token
+        start = pos.numpy()[:, 0].astype(np.int64)  # [B] the row's first position
+        room = self.program.spec.max_model_len - (start + chunk_lens)  # positions left from the new token's
+        counts = np.where(lens > 0, np.clip(room, 0, width - 1), 0)  # [B] drafts per row
+        drafts = drafter.draft(
+            chunks=host_ids,
+            chunk_lens=chunk_lens,
+            start=start,
+            slots=slot_ids.numpy().astype(np.int64),
+            last=last,
+            counts=counts,
+            first_index=output_index.long() + torch.from_numpy(accepted) + 1,
+            **sampling,
+        )
+        next_input = torch.cat([last.masked_fill(torch.from_numpy(lens == 0), -1).unsqueeze(1), drafts], 1)
+        return next_input.to(torch.int32).to(out.device)

@@ -38,6 +38,7 @@ class AsyncModelRunnerOutput:
         tracer: Tracer = Tracer.NONE,
         host_sampler: Callable[[torch.Tensor], torch.Tensor] | None = None,
         logprobs: StepLogprobs | None = None,
+        spec_width: int = 0,
     ) -> None:
         self.snapshot = snapshot
         # Sampled token ids, [padded rows] int32, still on the device: the next step may feed on it.
@@ -47,6 +48,8 @@ class AsyncModelRunnerOutput:
         self.future = future
         self._host_sampler = host_sampler
         self._logprobs = logprobs
+        # draft_model: W = 1 + k; the future is [rows, 2W], the tokens then next_input. 0: no next_input.
+        self._spec_width = spec_width
         self._batch = batch  # the worker's CPU token state: it applies the tokens (InputBatch.write_back)
         self._tracer = tracer
         self._lock = threading.Lock()
@@ -83,11 +86,14 @@ class AsyncModelRunnerOutput:
                 host = self.future.to_host()  # blocks until the program ran; re-raises its error
             if self._host_sampler is not None:
                 host = self._host_sampler(host)
-            logprobs = prompt_logprobs = runs = None
+            logprobs = prompt_logprobs = runs = next_input = None
             if self._logprobs is not None:  # read in the same materialization as the tokens
                 tokens, logprobs, prompt_logprobs = self._logprobs.read(host, snapshot.sample_positions)
             else:
                 rows = host.tolist()[: len(snapshot.req_ids)]  # ints (an integer tensor); no torch slice
+                if self._spec_width:  # draft_model: the tokens, then next_input
+                    next_input = [row[self._spec_width :] for row in rows]
+                    rows = [row[: self._spec_width] for row in rows]
                 if host.dim() == 2:  # speculative: per row its accepted drafts and one more token, then -1
                     runs = [row[: row.index(-1)] if -1 in row else row for row in rows]
                     rows = [run[0] for run in runs]
@@ -97,7 +103,7 @@ class AsyncModelRunnerOutput:
             if runs is None:
                 self._batch.write_back(snapshot, tokens)
             else:
-                self._batch.write_runs(snapshot, runs)
+                self._batch.write_runs(snapshot, runs, next_input)
             self._result = ModelRunnerOutput(
                 snapshot.step_id, list(snapshot.req_ids), tokens, runs, logprobs, prompt_logprobs
             )

@@ -88,7 +88,7 @@ def build_spec_model_input(
             # as accepted); the batch's count after materialization is the truth.
             start = int(batch.num_tokens[state.kv_slot]) - 1  # the last accepted token's position
             history = batch.token_ids[state.kv_slot, : start + 1]
-            proposed = tuple(_propose(spec, history, counts[req_id] - 1))
+            proposed = tuple(_propose(spec, batch, state.kv_slot, history, counts[req_id] - 1))
         starts[req_id], drafts[req_id] = start, proposed
         counts[req_id] = 1 + len(proposed)
         computed[req_id] = start
@@ -114,7 +114,9 @@ def build_spec_model_input(
     return model_input, DraftedRows(scheduled.step_id, starts, drafts)
 
 
-def _propose(spec: SpeculativeConfig, history: np.ndarray, budget: int) -> list[int]:
+def _propose(spec: SpeculativeConfig, batch: InputBatch, slot: int, history: np.ndarray, budget: int) -> list[int]:
     if budget <= 0:
         return []
+    if spec.method == "draft_model":  # proposed on the device by the step that gave the last accepted token
+        return batch.drafts.get(slot, [])[:budget]
     return propose_ngram(history, budget, spec.prompt_lookup_min, spec.prompt_lookup_max)

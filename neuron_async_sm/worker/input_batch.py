@@ -147,6 +147,9 @@ class InputBatch:
         # [slots] top tokens each request's logprobs / prompt logprobs ask for; -1: none
         self.logprob_counts = np.full(max_num_seqs, -1, dtype=np.int64)
         self.prompt_logprob_counts = np.full(max_num_seqs, -1, dtype=np.int64)
+        # [slot] -> the drafts the draft model proposed after the slot's last accepted token (the
+        # materialized next_input's columns 1..k, -1 dropped); the next spec row verifies them.
+        self.drafts: dict[int, list[int]] = {}
         # The write-back's views of the same memory: a memoryview item write is plain Python (tens of
         # ns), where a numpy scalar write or a scatter's dozen calls cost microseconds each on the
         # engine's threads, whose caches the device's program has just evicted (measured in the engine
@@ -211,6 +214,7 @@ class InputBatch:
         self.token_ids[slot, :] = POISON_TOKEN
         self.token_ids[slot, :num_prompt] = state.prompt_token_ids
         self.num_tokens[slot] = self.num_prompt_tokens[slot] = num_prompt
+        self.drafts.pop(slot, None)  # hazard: stale drafts from a recycled slot's previous owner
         params = state.sampling_params
         self.temperature[slot] = params.temperature
         self.top_k[slot] = params.top_k
@@ -252,16 +256,25 @@ class InputBatch:
             self.write_tokens(snapshot.req_ids, snapshot.sample_positions, tokens)
             self.last_written = WrittenTokens(snapshot, tokens)
 
-    def write_runs(self, snapshot: StepSnapshot, runs: list[list[int]]) -> None:
+    def write_runs(
+        self, snapshot: StepSnapshot, runs: list[list[int]], next_input: list[list[int]] | None = None
+    ) -> None:
         """Apply one speculative step's tokens: row i's run (accepted drafts, then one more) from
-        position `snapshot.sample_positions[i]` on, by request id as `write_back` does."""
+        position `snapshot.sample_positions[i]` on, by request id as `write_back` does; with
+        `next_input` (draft_model: per row the last accepted token, then the drafts after it), keep
+        each row's drafts for its next spec row."""
         with self.lock:
             # Hazard: token ownership after condense(): by the snapshot's request ids, never by row.
-            for req_id, at, run in zip(snapshot.req_ids, snapshot.sample_positions, runs, strict=True):
+            for i, (req_id, at, run) in enumerate(zip(snapshot.req_ids, snapshot.sample_positions, runs, strict=True)):
                 state = self.requests.get(req_id)
                 if state is None or at is None:  # gone (token ownership), or a partial prefill
                     continue
                 slot = state.kv_slot
+                if next_input is not None:
+                    row = next_input[i]
+                    # Hazard: wrong draft column. Column 0 is the last accepted token, the drafts follow it.
+                    assert row[0] == run[-1], (req_id, row, run)
+                    self.drafts[slot] = [d for d in row[1:] if d >= 0]
                 self.token_ids[slot, at : at + len(run)] = run
                 # Drafts rejected since the last write may lie past the run: the count is the run's end.
                 self.num_tokens[slot] = at + len(run)

@@ -1,0 +1,156 @@
+"""The draft model on the device (docs/spec-decode.md §2, §8): a second Llama with its own KV cache.
+
+It runs inside the spec step program after verification. Per row: one chunk over the tokens the
+target accepted this step (a prompt chunk, or the last accepted token and the accepted drafts) and
+the row's new token t, whose logits give the first draft; then k - 1 one-token passes, each on the
+draft before. Its KV cache has the target's layout (slot, position), so the drafter's KV past the
+accepted tokens (drafts, or a partial prefill's sample) lies where the request's next row writes
+first, and no query reaches it before then (the same argument as the target's rejected drafts).
+
+With temperature a draft is sampled from q (the drafter's distribution after temperature, top-k and
+top-p) with its own counter-based stream, and q is kept per (slot, draft) on the device: the next
+step's verification accepts with min(1, p/q) and resamples from max(p - q, 0).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from neuron_async_sm.config import ConfigError, SpeculativeConfig
+from neuron_async_sm.model.config import LlamaConfig, load_model_config, model_directory
+from neuron_async_sm.model.loader import checkpoint_path
+from neuron_async_sm.model.program import StepProgram
+from neuron_async_sm.model.sampler import _filtered_out, uniform_noise
+
+# The draft sample's stream: its key is output_index with this bit set (the acceptance draw's is bit 62,
+# model/spec_decode.py), so the drafter's noise is independent of the target's for the same output.
+DRAFT_STREAM = 1 << 61
+
+
+def check_draft_model(spec: SpeculativeConfig, target: LlamaConfig, max_model_len: int) -> None:
+    """ConfigError naming `speculative_config.model` unless the draft checkpoint exists, shares the
+    target's vocabulary and special ids (one tokenizer), and holds max_model_len positions."""
+    assert spec.model is not None
+    try:
+        draft = load_model_config(spec.model)
+        if draft is not target and spec.model != "tiny-llama":
+            checkpoint_path(model_directory(spec.model))
+    except Exception as exc:  # ModelLoadError or a malformed config: named as the key's problem
+        raise ConfigError(f"speculative_config.model: {exc}") from exc
+    for name in ("vocab_size", "bos_token_id", "eos_token_ids"):
+        mine, theirs = getattr(draft, name), getattr(target, name)
+        if mine != theirs:
+            raise ConfigError(
+                f"speculative_config.model: the draft's {name} {mine!r} differs from the target's {theirs!r} "
+                "(the draft must share the target's tokenizer)"
+            )
+    if draft.max_position_embeddings < max_model_len:
+        raise ConfigError(
+            f"speculative_config.model: the draft's max_position_embeddings ({draft.max_position_embeddings}) "
+            f"is below max_model_len ({max_model_len})"
+        )
+
+
+class Drafter:
+    """The draft model's program state: its StepProgram (weights and KV cache) and q per (slot, draft)."""
+
+    def __init__(self, program: StepProgram, num_drafts: int) -> None:
+        self.program = program
+        self.k = num_drafts
+        slots, vocab = program.scratch_slot + 1, program.config.vocab_size
+        # q of each slot's drafts in flight, float64 [slots, k, vocab]; read by the next verification.
+        self.probs = torch.zeros(slots, num_drafts, vocab, dtype=torch.float64, device=program.device)
+
+    def draft_probs(self, slot_ids: torch.Tensor, width: int) -> torch.Tensor:
+        """q at each verified position, `[B, width, vocab]`: column c is q of the draft after column c."""
+        probs = self.probs[slot_ids.long().to(self.probs.device)]  # [B, k, vocab]
+        pad = probs.new_ones(probs.shape[0], width - self.k, probs.shape[2])  # no draft after the last column
+        return torch.cat([probs, pad], dim=1)
+
+    def draft(
+        self,
+        *,
+        chunks: np.ndarray,
+        chunk_lens: np.ndarray,
+        start: np.ndarray,
+        slots: np.ndarray,
+        last: torch.Tensor,
+        counts: np.ndarray,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        seeds: torch.Tensor,
+        first_index: torch.Tensor,
+    ) -> torch.Tensor:
+        """Drafts int64 `[B, k]` (-1 past a row's `counts`), after writing the drafter's KV.
+
+        chunks int64 `[B, C]`: row b's accepted tokens this step (chunk_lens[b] of them, at positions
+        start[b]..), to which `last` `[B]` (the row's new token) is appended; counts `[B]` drafts per
+        row (0: the row only writes its chunk's KV; it must leave its positions below max_model_len).
+        first_index `[B]`: the output index of the first draft. Sampling parameters per row, as the target's.
+        """
+        rows, k, program = chunks.shape[0], self.k, self.program
+        dev = program.device
+        drafting = counts > 0
+        lens = chunk_lens + drafting  # [B] t is appended where the row drafts
+        ids = np.zeros((rows, chunks.shape[1] + 1), dtype=np.int64)  # [B, C + 1]
+        ids[:, : chunks.shape[1]] = chunks
+        last_host = last.cpu().numpy().astype(np.int64)
+        ids[np.flatnonzero(drafting), chunk_lens[drafting]] = last_host[drafting]
+        positions = start[:, None] + np.arange(ids.shape[1])[None, :]  # [B, C + 1]
+        out = torch.full((rows, k), -1, dtype=torch.int64)  # [B, k]
+        greedy = bool((temperature <= 0).all())
+        query = lens
+        for j in range(k):
+            live = counts > j  # [B] rows that draft a j-th token
+            if j:  # one token: the draft before, right after it
+                query = live.astype(np.int64)
+                ids = np.where(live, out[:, j - 1].numpy(), 0)[:, None]
+                positions = np.where(live, start + chunk_lens + j, 0)[:, None]
+            if not query.any():
+                break
+            batch = program._prepare(
+                torch.from_numpy(ids),
+                torch.from_numpy(positions),
+                torch.from_numpy(query.astype(np.int32)),
+                torch.from_numpy(np.where(query > 0, slots, program.scratch_slot).astype(np.int32)),
+            )
+            logits = program.model.forward(batch, program.kv_cache)  # [B, vocab] at each row's last token
+            if not live.any():  # the chunks' KV only: no row drafts
+                break
+            index = first_index.to(dev).long() + j
+            tokens = self._sample(logits, greedy, j, slots, live, temperature, top_k, top_p, seeds, index)
+            out[:, j] = torch.where(torch.from_numpy(live), tokens.cpu(), -1)
+        return out
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        greedy: bool,
+        j: int,
+        slots: np.ndarray,
+        live: np.ndarray,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        seeds: torch.Tensor,
+        index: torch.Tensor,
+    ) -> torch.Tensor:
+        """Draft j per row: the argmax (greedy), else a sample from q, which is kept for verification."""
+        argmax = logits.argmax(dim=-1)
+        if greedy:  # q is one-hot on the argmax; verification compares with the target's argmax
+            return argmax
+        dev = logits.device
+        temp = temperature.to(dev).double()
+        is_greedy = temp <= 0
+        vocab = logits.shape[-1]
+        scaled = logits.double() / torch.where(is_greedy, 1.0, temp).unsqueeze(1)
+        k_on, p_on = (top_k.to(dev) > 0) & (top_k.to(dev) < vocab), top_p.to(dev) < 1.0
+        scaled = scaled.masked_fill(_filtered_out(scaled, top_k.to(dev), top_p.to(dev), k_on, p_on), float("-inf"))
+        gumbel = -torch.log(-torch.log(uniform_noise(seeds.to(dev), index | DRAFT_STREAM, vocab)))
+        tokens = torch.where(is_greedy, argmax, (scaled + gumbel).argmax(dim=-1))
+        q = torch.softmax(scaled, dim=-1)
+        rows = torch.from_numpy(np.flatnonzero(live)).to(dev)
+        self.probs[torch.from_numpy(slots[live]).long().to(dev), j] = q[rows]
+        return tokens
