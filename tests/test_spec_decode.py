@@ -125,7 +125,7 @@ def test_speculative_config_is_parsed_and_checked_naming_the_key():
     assert config.speculative_config.num_speculative_tokens == 3 and config.speculative_config.width == 4
     for bad, key in [
         ({"method": "eagle"}, "method"),
-        ({"method": "draft_model", "model": "x"}, "method"),
+        ({"method": "draft_model"}, "model"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
