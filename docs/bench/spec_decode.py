@@ -1,15 +1,19 @@
-"""Speculative decoding (ngram, k=4) against none, sync and async, at high and low acceptance.
+"""Speculative decoding (k=4) against none, sync and async, at high and low acceptance.
 
-The targets are tiny-llama with its layers scaled (`write_checkpoint(..., layer_scale=s)`): 0.02
-repeats (high acceptance), 0.1 less. The four configurations alternate within each repetition;
-prints one dict per run (docs/benchmarks.md, "Speculative decoding").
+`python docs/bench/spec_decode.py` (n-gram): the targets are tiny-llama with its layers scaled
+(`write_checkpoint(..., layer_scale=s)`): 0.02 repeats (high acceptance), 0.1 less.
+`python docs/bench/spec_decode.py draft_model`: the target is the 0.02 one; the high-acceptance
+draft is its first layer alone (`write_noisy_copy(..., noise=0, num_layers=1)`), the low one the
+first layer of independently seeded weights. The four configurations alternate within each
+repetition; prints one dict per run (docs/benchmarks.md, "Speculative decoding").
 """
 
 import random
+import sys
 import time
 
 from neuron_async_sm import LLM, SamplingParams
-from neuron_async_sm.bench.checkpoint import write_checkpoint
+from neuron_async_sm.bench.checkpoint import write_checkpoint, write_noisy_copy
 
 SCALES = (0.02, 0.1)
 REPS = 2
@@ -20,22 +24,43 @@ ENGINE = dict(
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 
 
+def settings(method: str) -> list[tuple[str, str, dict]]:
+    """(label, target, speculative_config) per acceptance setting."""
+    if method == "ngram":
+        return [(f"scale {s}", str(write_checkpoint(f"/tmp/spec-bench-{s}", layer_scale=s)), NGRAM) for s in SCALES]
+    target = str(write_checkpoint("/tmp/spec-bench-0.02", layer_scale=0.02))
+    other = str(write_checkpoint("/tmp/spec-bench-other", seed=5, layer_scale=0.02))
+    drafts = [("high", target), ("low", other)]
+    return [
+        (
+            label,
+            target,
+            {
+                "method": "draft_model",
+                "num_speculative_tokens": 4,
+                "model": str(write_noisy_copy(source, f"/tmp/spec-bench-draft-{label}", 0.0, num_layers=1)),
+            },
+        )
+        for label, source in drafts
+    ]
+
+
 def main() -> None:
+    method = sys.argv[1] if len(sys.argv) > 1 else "ngram"
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(2, 20))] for _ in range(REQUESTS)]
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
-    for scale in SCALES:
-        target = str(write_checkpoint(f"/tmp/spec-bench-{scale}", layer_scale=scale))
+    for label, target, speculative in settings(method):
         for rep in range(REPS):
             for async_scheduling in (False, True):
-                for spec in (None, NGRAM):
+                for spec in (None, speculative):
                     with LLM(target, **ENGINE, async_scheduling=async_scheduling, speculative_config=spec) as llm:
                         llm.generate(prompts[:2], SamplingParams(max_tokens=8))  # warm-up, unrecorded
                         started = time.perf_counter()
                         llm.generate(prompts, params)
                         elapsed = time.perf_counter() - started
                         stats = llm.stats()
-                    row = dict(scale=scale, rep=rep, async_scheduling=async_scheduling, spec=spec is not None)
+                    row = dict(setting=label, rep=rep, async_scheduling=async_scheduling, spec=spec is not None)
                     row.update(tok_s=REQUESTS * TOKENS / elapsed, steps=stats["steps"], **stats.get("spec_decode", {}))
                     print(row, flush=True)
 

@@ -84,17 +84,25 @@ def write_checkpoint(
     return path
 
 
-def write_noisy_copy(source: str | Path, directory: str | Path, noise: float, seed: int = 0) -> Path:
+def write_noisy_copy(
+    source: str | Path, directory: str | Path, noise: float, seed: int = 0, num_layers: int | None = None
+) -> Path:
     """A draft checkpoint for speculative decoding: `source`'s config and weights, each weight plus
-    Gaussian noise of `noise` times that weight's standard deviation (seeded). Same vocabulary and
-    special ids as `source`; the smaller `noise`, the more often its greedy tokens agree with it."""
+    Gaussian noise of `noise` times that weight's standard deviation (seeded); with `num_layers`, only
+    the first that many layers (a cheaper draft). Same vocabulary and special ids as `source`; the
+    smaller `noise` (and the less the dropped layers add), the more often its greedy tokens agree."""
     source, path = Path(source), Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text((source / "config.json").read_text(encoding="utf-8"), encoding="utf-8")
+    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     generator = torch.Generator().manual_seed(seed)
-    weights = load_file(str(source / "model.safetensors"))
     noisy = {}
-    for name, weight in sorted(weights.items()):
+    for name, weight in sorted(load_file(str(source / "model.safetensors")).items()):
+        parts = name.split(".")
+        if num_layers is not None and "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
+            continue
         scale = noise * float(weight.double().std()) if weight.numel() > 1 else 0.0
         noisy[name] = weight + scale * torch.randn(weight.shape, generator=generator, dtype=weight.dtype)
     save_file(noisy, str(path / "model.safetensors"))
