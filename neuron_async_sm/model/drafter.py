@@ -58,14 +58,18 @@ class Drafter:
     def __init__(self, program: StepProgram, num_drafts: int) -> None:
         self.program = program
         self.k = num_drafts
-        slots, vocab = program.scratch_slot + 1, program.config.vocab_size
         # q of each slot's drafts in flight, float64 [slots, k, vocab]; read by the next verification.
-        self.probs = torch.zeros(slots, num_drafts, vocab, dtype=torch.float64, device=program.device)
+        # Allocated when a row first samples a draft: all-greedy serving never holds it.
+        self.probs: torch.Tensor | None = None
 
     def draft_probs(self, slot_ids: torch.Tensor, width: int) -> torch.Tensor:
-        """q at each verified position, `[B, width, vocab]`: column c is q of the draft after column c."""
+        """q at each verified position, `[B, width, vocab]`: column c is q of the draft after column c
+        (ones where no draft was ever sampled: only greedy rows, which never read it)."""
+        rows, vocab = slot_ids.shape[0], self.program.config.vocab_size
+        if self.probs is None:
+            return torch.ones(rows, width, vocab, dtype=torch.float64, device=self.program.device)
         probs = self.probs[slot_ids.long().to(self.probs.device)]  # [B, k, vocab]
-        pad = probs.new_ones(probs.shape[0], width - self.k, probs.shape[2])  # no draft after the last column
+        pad = probs.new_ones(rows, width - self.k, vocab)  # no draft after the last column
         return torch.cat([probs, pad], dim=1)
 
     def draft(
@@ -151,6 +155,9 @@ class Drafter:
         gumbel = -torch.log(-torch.log(uniform_noise(seeds.to(dev), index | DRAFT_STREAM, vocab)))
         tokens = torch.where(is_greedy, argmax, (scaled + gumbel).argmax(dim=-1))
         q = torch.softmax(scaled, dim=-1)
+        if self.probs is None:
+            slots_total = self.program.scratch_slot + 1
+            self.probs = torch.zeros(slots_total, self.k, vocab, dtype=torch.float64, device=dev)
         rows = torch.from_numpy(np.flatnonzero(live)).to(dev)
         self.probs[torch.from_numpy(slots[live]).long().to(dev), j] = q[rows]
         return tokens
