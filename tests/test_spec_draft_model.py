@@ -190,6 +190,20 @@ def test_seeded_sampling_with_a_draft_model_gives_the_same_tokens_async_and_sync
     assert 0 < counts["num_accepted_tokens"] < counts["num_draft_tokens"]
 
 
+def test_up_to_max_model_len_the_output_ends_where_it_would_without_speculation(target, close_draft):
+    """Requests that fill their room: the drafter drafts only as far as max_model_len (a draft past it
+    would be a position the program refuses) and the output ends where the plain run's does."""
+    engine = {**ENGINE, "max_model_len": 40}
+    prompts = [[5, 17, 3, 99, 42, 8, 11], [7, 300, 1], [64, 2, 9, 9, 13, 500, 31, 4, 77]]
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    with LLM(target, async_scheduling=False, **engine) as plain:
+        want = [(o.output_token_ids, o.finish_reason) for o in plain.generate(prompts, params)]
+    with LLM(target, async_scheduling=True, speculative_config=draft_model(close_draft, 4), **engine) as llm:
+        got = [(o.output_token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
+    assert got == want
+    assert [len(tokens) for tokens, _ in got] == [40 - len(p) for p in prompts]
+
+
 # -- transformers' assisted generation ------------------------------------------------------------------
 
 
