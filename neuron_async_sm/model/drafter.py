@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from neuron_async_sm.config import ConfigError, SpeculativeConfig
-from neuron_async_sm.model.config import LlamaConfig, load_model_config, model_directory
+from neuron_async_sm.model.config import TINY_LLAMA, LlamaConfig, load_model_config, model_directory
 from neuron_async_sm.model.loader import checkpoint_path
 from neuron_async_sm.model.program import StepProgram
 from neuron_async_sm.model.sampler import _filtered_out, uniform_noise
@@ -34,7 +34,7 @@ def check_draft_model(spec: SpeculativeConfig, target: LlamaConfig, max_model_le
     assert spec.model is not None
     try:
         draft = load_model_config(spec.model)
-        if draft is not target and spec.model != "tiny-llama":
+        if spec.model != TINY_LLAMA:
             checkpoint_path(model_directory(spec.model))
     except Exception as exc:  # ModelLoadError or a malformed config: named as the key's problem
         raise ConfigError(f"speculative_config.model: {exc}") from exc
