@@ -59,8 +59,8 @@ def rejection_sample(
     index, so it is the ordinary sample whenever that is not d. With no draft left the bonus is the
     ordinary sample. With the drafter's q, float64 `[B, W, vocab]` (`draft_probs`, draft_model: q of
     the draft after each position), accepted when u * q(d) < p(d), and at a rejection the token is
-    drawn from max(p - q, 0) with the ordinary noise. Every draw is keyed by (seed, output index) alone: the same tokens in any batch,
-    in async and in sync mode.
+    drawn from max(p - q, 0) with the ordinary noise. Every draw is keyed by (seed, output index)
+    alone: the same tokens in any batch, in async and in sync mode.
     """
     b, width, vocab = logits.shape
     flat = logits.reshape(b * width, vocab)
