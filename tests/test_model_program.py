@@ -160,6 +160,11 @@ def test_invalid_steps_are_rejected() -> None:
         program(**pack_step([RowStep((5,), MAX_LEN, 0)], program.scratch_slot))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         build_step_program(ModelSpec(TINY_LLAMA, "float32", max_num_seqs=1, max_model_len=5000))
+    cache = program.kv_cache.k.clone()
+    unseeded = {k: v for k, v in pack_step([RowStep((5, 6), 0, 0)], program.scratch_slot).items() if k != "seeds"}
+    with pytest.raises(ValueError, match="seeds"):  # named, and before the forward wrote any K/V
+        program(**unseeded)
+    assert torch.equal(program.kv_cache.k, cache)
 
 
 def test_model_spec_pickles_and_kv_cache_has_scratch_slot() -> None:

@@ -9,6 +9,7 @@ B = padded rows, L = padded tokens per row.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -37,8 +38,32 @@ STEP_INPUTS: tuple[StepInput, ...] = (
 INPUTS = {spec.name: spec for spec in STEP_INPUTS}
 STEP_INPUT_NAMES = tuple(INPUTS)
 FORWARD_INPUT_NAMES = STEP_INPUT_NAMES[:4]  # the logits-only forward's (no sampling)
-# the sampling parameters: a deferred step's forward leaves them to its sampling program (model_sample)
-SAMPLING_INPUT_NAMES = STEP_INPUT_NAMES[4:]
+
+
+class SamplingInputs(NamedTuple):
+    """The step's sampling parameters, the last five of STEP_INPUTS, `[B]` each: what the sampler and
+    verification take (`sampling._asdict()` as their keywords), and what a deferred step's forward
+    leaves to its sampling program (model_sample)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seeds: torch.Tensor
+    output_index: torch.Tensor
+
+    @classmethod
+    def take(cls, inputs: dict[str, torch.Tensor]) -> SamplingInputs:
+        """Removes the five from a program's keyword `inputs`; ValueError naming any that is missing."""
+        if missing := [name for name in cls._fields if name not in inputs]:
+            raise ValueError(f"step inputs: {missing} missing")
+        return cls(*(inputs.pop(name) for name in cls._fields))
+
+    def to(self, device: torch.device) -> SamplingInputs:
+        return SamplingInputs(*(value.to(device) for value in self))
+
+
+SAMPLING_INPUT_NAMES: tuple[str, ...] = SamplingInputs._fields
+assert SAMPLING_INPUT_NAMES == STEP_INPUT_NAMES[4:], "SamplingInputs are the step inputs after the forward's"
 
 
 def padding_inputs(shape: tuple[int, ...], scratch_slot: int) -> dict[str, torch.Tensor]:

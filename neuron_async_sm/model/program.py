@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from neuron_async_sm.model.config import LlamaConfig, load_model_config
 from neuron_async_sm.model.grammar_mask import apply_token_bitmask
-from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, padding_inputs
+from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, SamplingInputs, padding_inputs
 from neuron_async_sm.model.kv_cache import KVCache
 from neuron_async_sm.model.llama import ForwardBatch, LlamaModel
 from neuron_async_sm.model.loader import load_weights
@@ -93,25 +93,21 @@ class StepProgram:
         positions: torch.Tensor,
         query_lens: torch.Tensor,
         slot_ids: torch.Tensor,
-        temperature: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
-        seeds: torch.Tensor,
-        output_index: torch.Tensor,
         relay_tokens: torch.Tensor | None = None,
         relay_rows: torch.Tensor | None = None,
         sample_logprobs: torch.Tensor | None = None,
         prompt_logprobs: torch.Tensor | None = None,
         prompt_targets: torch.Tensor | None = None,
         token_bitmask: torch.Tensor | None = None,
-        **processing: torch.Tensor,
+        **inputs: torch.Tensor,
     ) -> torch.Tensor:
         """Sampled token ids, int32 `[B]`; with logprobs asked, int32 `[B, 1 + width]`, the tokens in
         column 0 (`model/logprobs.py`). The forward (`forward_logits`) then the sampling (`sample`),
         the two halves a step whose mask waited runs as two programs.
 
         The nine step inputs are declared in `model/inputs.py` (`STEP_INPUTS`: dtypes, shapes,
-        padding). relay_tokens: integer `[P]`, the previous step's sampled tokens (a future);
+        padding); the five sampling parameters among them (`SamplingInputs`) come in `inputs`.
+        relay_tokens: integer `[P]`, the previous step's sampled tokens (a future);
         relay_rows: int32 `[B]`, a row of relay_tokens or -1. A future fed as input_ids or
         relay_tokens may be a packed output `[P, 1 + width]`: its column 0 is the tokens.
         Logprobs (host inputs, int32 `[1]`): sample_logprobs, the top tokens per sampled token;
@@ -119,10 +115,11 @@ class StepProgram:
         prompt token after each position (what its logprob is of; 0 where the row has none).
         token_bitmask: int32 `[B, ceil(V/32)]`, the grammars' masks (`model/grammar_mask.py`); absent
         when no row samples under a grammar.
-        `processing`: the logits-processing inputs (`model/logits_processors.py`), all or none; a
+        The rest of `inputs`: the logits-processing inputs (`model/logits_processors.py`), all or none; a
         step with them writes its input ids into the token history and processes its logits before
         sampling (the logprobs are of the logits before it, vLLM's raw logprobs).
         """
+        sampling = SamplingInputs.take(inputs)  # what is left: the processing inputs
         with self._no_autograd():
             logits = self.forward_logits(
                 input_ids=input_ids,
@@ -133,22 +130,18 @@ class StepProgram:
                 relay_rows=relay_rows,
                 prompt_logprobs=prompt_logprobs,
                 prompt_targets=prompt_targets,
-                **processing,
+                **inputs,
             )
             return self.sample(
                 logits,
                 positions=positions,
                 query_lens=query_lens,
                 slot_ids=slot_ids,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                seeds=seeds,
-                output_index=output_index,
                 sample_logprobs=sample_logprobs,
                 prompt_logprobs=prompt_logprobs,
                 token_bitmask=token_bitmask,
-                **processing,
+                **sampling._asdict(),
+                **inputs,
             )
 
     def forward_logits(
@@ -195,24 +188,20 @@ class StepProgram:
         positions: torch.Tensor,
         query_lens: torch.Tensor,
         slot_ids: torch.Tensor,
-        temperature: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
-        seeds: torch.Tensor,
-        output_index: torch.Tensor,
         sample_logprobs: torch.Tensor | None = None,
         prompt_logprobs: torch.Tensor | None = None,
-        prompt_targets: torch.Tensor | None = None,  # used by the forward; a deferred step passes it here too
         token_bitmask: torch.Tensor | None = None,
-        **processing: torch.Tensor,
+        **inputs: torch.Tensor,
     ) -> torch.Tensor:
         """Token ids int32 `[B]` (with logprobs asked, the packed `[B, 1 + width]`) from the forward's
         output: processing, the grammar mask, sampling. Alone (the `model_sample` program) when a
-        grammar's mask waited for the previous step."""
-        del prompt_targets
+        grammar's mask waited for the previous step. `inputs`: the five `SamplingInputs`, and the
+        processing inputs when the step has them."""
+        sampling = SamplingInputs.take(inputs)
+        processing = inputs
         dev = self.device
         with self._no_autograd():
-            logits = logits.to(dev)
+            logits, sampling = logits.to(dev), sampling.to(dev)
             prompt_block = None
             if prompt_logprobs is not None:  # the forward put the prompt blocks after the logits
                 vocab = self.config.vocab_size
@@ -229,18 +218,14 @@ class StepProgram:
                     processed,
                     self.history.rows(torch.from_numpy(slot_ids.numpy().astype(np.int64)).to(dev), length),
                     torch.from_numpy(num_computed).to(dev),
-                    output_index.to(dev),
+                    sampling.output_index,
                     parts,
                 )
             if token_bitmask is not None:
                 logits = apply_token_bitmask(logits, token_bitmask)
             tokens = sample_tokens(
                 logits,
-                temperature=temperature.to(dev),
-                top_k=top_k.to(dev),
-                top_p=top_p.to(dev),
-                seeds=seeds.to(dev),
-                output_index=output_index.to(dev),
+                **sampling._asdict(),
                 min_p=None if processed is None or "min_p" not in parts else processed["min_p"],
             )
             if not self.packed or query_lens.numpy().min() == 0:  # padding rows return token 0

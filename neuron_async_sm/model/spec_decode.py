@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from neuron_async_sm.model.drafter import Drafter
+from neuron_async_sm.model.inputs import SamplingInputs
 from neuron_async_sm.model.logits_processors import parts_used, process_logits
 from neuron_async_sm.model.packed import PackedBatch
 from neuron_async_sm.model.program import StepProgram
@@ -137,15 +138,12 @@ class SpecStepProgram:
         positions: torch.Tensor,
         query_lens: torch.Tensor,
         slot_ids: torch.Tensor,
-        temperature: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
-        seeds: torch.Tensor,
-        output_index: torch.Tensor,
         num_drafts: torch.Tensor,
-        **processing: torch.Tensor,
+        **inputs: torch.Tensor,  # the five SamplingInputs, then logits processing's
     ) -> torch.Tensor:
         program, width = self.program, self.width
+        temperature, top_k, top_p, seeds, output_index = SamplingInputs.take(inputs)  # checked before the forward
+        processing = inputs
         ids = input_ids if input_ids.dim() == 2 else input_ids.unsqueeze(1)  # [B, L]
         pos = positions if positions.dim() == 2 else positions.unsqueeze(1)
         rows, length = ids.shape

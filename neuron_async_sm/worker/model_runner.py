@@ -264,7 +264,8 @@ class ModelRunner:
         if executed.split:
             assert grammar_bitmask is not None
             mask = self._token_bitmask(executed.scheduled.step_id, grammar_bitmask, model_input)
-            sampling = {k: v for k, v in model_input.inputs.items() if k != "input_ids"}
+            # The sampling program's inputs: all but the forward's own (the prompt's targets went into its blocks).
+            sampling = {k: v for k, v in model_input.inputs.items() if k not in ("input_ids", "prompt_targets")}
             if model_input.logprobs is not None:  # packed as the fused program's: tokens, then the logprobs
                 out = TensorSpec((model_input.num_rows, 1 + model_input.logprobs.layout.width), SAMPLED_DTYPE)
             elif (out := self._sampled_specs.get(model_input.num_rows)) is None:
