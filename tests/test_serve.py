@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from support.serve_harness import CHAT_TEMPLATE, ServerProcess, write_text_model
-from tokenizers import Tokenizer
+from support.processes import config_flags
+from support.serve_harness import CHAT_TEMPLATE, ServerProcess, offline_fixture, serve_fixtures, write_text_model
 
 from neuron_async_sm import LLM, SamplingParams
 
@@ -28,49 +28,14 @@ ENGINE = dict(
     prefill_buckets=(8, 16, 32),
     decode_buckets=(1, 2, 4),
 )
-FLAGS = [
-    "--dtype",
-    "float64",
-    "--max-num-seqs",
-    "4",
-    "--max-model-len",
-    "96",
-    "--max-num-batched-tokens",
-    "32",
-    "--prefill-buckets",
-    "8,16,32",
-    "--decode-buckets",
-    "1,2,4",
-    "--device",
-    "cpu",
-    "--device-time-ms",
-    "2",
-]
+FLAGS = config_flags(**ENGINE, device="cpu", device_time_ms=2)
 SAMPLED = dict(temperature=0.8, top_p=0.95, seed=7)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return str(write_text_model(tmp_path_factory.mktemp("model"), chat_template="jinja"))
-
-
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    proc = ServerProcess(tmp_path_factory.mktemp("server"), model, *FLAGS)
-    yield proc
-    assert proc.terminate() == 0, proc.log()
-
-
-@pytest.fixture(scope="module")
-def offline(model):
-    """The reference: the offline LLM on the same checkpoint (in-process device; float64 is batch-invariant)."""
-    with LLM(model, device="cpu-inprocess", **ENGINE) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model) -> Tokenizer:
-    return Tokenizer.from_file(f"{model}/tokenizer.json")
+model, server, tokenizer = serve_fixtures(
+    *FLAGS, write_model=lambda path: write_text_model(path, chat_template="jinja")
+)
+offline = offline_fixture(**ENGINE)  # the reference (float64 is batch-invariant)
 
 
 def reference(offline: LLM, prompt: list[int], **params) -> list[int]:

@@ -14,7 +14,7 @@ import time
 
 import openai
 import pytest
-from support.serve_harness import ServerProcess, write_text_model
+from support.serve_harness import serve_fixtures
 
 MAX_NUM_SEQS = 4
 MAX_TOKENS = 100  # ~2.5 s of programs: the client leaves long before that
@@ -23,12 +23,7 @@ FLAGS = ["--device-time-ms", "25", "--max-model-len", "128", "--max-num-seqs", s
 PARAMS = dict(max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True})
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = write_text_model(tmp_path_factory.mktemp("model"))
-    proc = ServerProcess(tmp_path_factory.mktemp("server"), str(model), *FLAGS)
-    yield proc
-    assert proc.terminate() == 0, proc.log()
+model, server, _ = serve_fixtures(*FLAGS)
 
 
 def completion(client: openai.OpenAI, model: str) -> None:

@@ -17,7 +17,7 @@ import time
 import openai
 import pytest
 from support.processes import device_pid
-from support.serve_harness import ServerProcess, write_text_model
+from support.serve_harness import ServerProcess, serve_fixtures
 
 from neuron_async_sm.worker.async_machine import ASYNC_STATES, PATH_STATES
 
@@ -27,18 +27,10 @@ SLOW = ["--device-time-ms", "25", "--max-model-len", str(MAX_MODEL_LEN)]
 SUCCESS = "vllm:request_success_total"
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return str(write_text_model(tmp_path_factory.mktemp("model")))
-
-
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    # 10 ms programs: a stop string's abort lands long before a 100-token request could end on its own
-    flags = ["--device", "cpu-inprocess", "--device-time-ms", "10", "--max-model-len", str(MAX_MODEL_LEN)]
-    proc = ServerProcess(tmp_path_factory.mktemp("server"), model, *flags)
-    yield proc
-    assert proc.terminate() == 0, proc.log()
+# 10 ms programs: a stop string's abort lands long before a 100-token request could end on its own
+model, server, _ = serve_fixtures(
+    "--device", "cpu-inprocess", "--device-time-ms", "10", "--max-model-len", str(MAX_MODEL_LEN)
+)
 
 
 class Counters:

@@ -12,8 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-from support.serve_harness import ServerProcess, write_text_model
+from support.serve_harness import ServerProcess, serve_fixtures
 
 STREAMS = 32  # the done-when: 32 live streams while the bad request is refused
 BIG = 50 * 1024 * 1024
@@ -23,14 +22,9 @@ BIG = 50 * 1024 * 1024
 HEALTH_BOUND_S = 0.5
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = write_text_model(tmp_path_factory.mktemp("model"))
-    flags = ["--device", "cpu", "--device-time-ms", "40", "--max-model-len", "128"]
-    flags += ["--max-num-seqs", str(STREAMS), "--decode-buckets", f"1,8,{STREAMS}"]  # every stream decoding
-    proc = ServerProcess(tmp_path_factory.mktemp("server"), str(model), *flags, "--log-level", "info")
-    yield proc
-    assert proc.terminate() == 0, proc.log()
+FLAGS = ["--device", "cpu", "--device-time-ms", "40", "--max-model-len", "128"]
+FLAGS += ["--max-num-seqs", str(STREAMS), "--decode-buckets", f"1,8,{STREAMS}"]  # every stream decoding
+model, server, _ = serve_fixtures(*FLAGS, "--log-level", "info")
 
 
 class LiveStream(threading.Thread):

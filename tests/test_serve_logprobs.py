@@ -15,8 +15,7 @@ import openai
 import pytest
 import torch
 from support.reference import hf_logprobs
-from support.serve_harness import ServerProcess, write_text_model
-from tokenizers import Tokenizer
+from support.serve_harness import ServerProcess, serve_fixtures
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,26 +24,12 @@ FLAGS = ["--max-num-seqs", "4", "--max-model-len", "64", "--max-num-batched-toke
 FLAGS += ["--decode-buckets", "1,2,4", "--device", "cpu", "--max-logprobs", "5"]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return str(write_text_model(tmp_path_factory.mktemp("model")))
-
-
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    proc = ServerProcess(tmp_path_factory.mktemp("server"), model, *FLAGS)
-    yield proc
-    assert proc.terminate() == 0, proc.log()
+model, server, tokenizer = serve_fixtures(*FLAGS)
 
 
 @pytest.fixture(scope="module")
 def hf(model):
     return transformers.LlamaForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model) -> Tokenizer:
-    return Tokenizer.from_file(f"{model}/tokenizer.json")
 
 
 def lm_eval_body(server: ServerProcess, context: list[int], continuation: list[int]) -> dict:

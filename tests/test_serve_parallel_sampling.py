@@ -11,9 +11,8 @@ from dataclasses import replace
 
 import openai
 import pytest
-from support.serve_harness import ServerProcess, write_text_model
+from support.serve_harness import ServerProcess, offline_fixture, serve_fixtures
 from test_serve import ENGINE, FLAGS
-from tokenizers import Tokenizer
 
 from neuron_async_sm import LLM, SamplingParams
 
@@ -23,28 +22,8 @@ SAMPLED = dict(temperature=0.9, top_p=0.95, seed=21)
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True, **SAMPLED)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return str(write_text_model(tmp_path_factory.mktemp("model")))
-
-
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    flags = [*FLAGS, "--device-time-ms", "10", "--max-waiting", str(MAX_WAITING)]
-    proc = ServerProcess(tmp_path_factory.mktemp("server"), model, *flags)
-    yield proc
-    assert proc.terminate() == 0, proc.log()
-
-
-@pytest.fixture(scope="module")
-def offline(model):
-    with LLM(model, device="cpu-inprocess", **ENGINE) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model) -> Tokenizer:
-    return Tokenizer.from_file(f"{model}/tokenizer.json")
+model, server, tokenizer = serve_fixtures(*FLAGS, "--device-time-ms", "10", "--max-waiting", str(MAX_WAITING))
+offline = offline_fixture(**ENGINE)
 
 
 def children(offline: LLM, prompt: list[int], n: int, params: SamplingParams = PARAMS) -> list[list[int]]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support.serve_harness import ServerProcess, write_text_model
+from support.serve_harness import ServerProcess, serve_fixtures, write_text_model
 
 Call = Callable[..., dict]  # call(**fields): the 200 answer to the base request plus `fields`
 
@@ -312,22 +312,22 @@ def schema(endpoint: str) -> set[str]:
     return set(Params.__annotations__) | VLLM_CHAT_EXTRAS
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    # The eos is a word both base requests' greedy runs reach after their first 4 tokens and before
-    # LONG; it is a special token, as eos tokens are. As most tokenizers do, a text gets <s> first.
-    model = write_text_model(tmp_path_factory.mktemp("model"), eos_token_id=EOS)
+def write_model(path: Path) -> Path:
+    """The text model, its eos a word both base requests' greedy runs reach after their first 4 tokens
+    and before LONG; it is a special token, as eos tokens are. As most tokenizers do, a text gets <s> first."""
     from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
 
+    model = write_text_model(path, eos_token_id=EOS)
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     tokenizer.add_special_tokens(["<unk>", "<s>", "</s>", f"w{EOS}"])
     tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tokenizer.save(str(model / "tokenizer.json"))
-    flags = ["--device", "cpu-inprocess", "--dtype", "float64", "--max-model-len", "96", "--max-num-seqs", "4"]
-    proc = ServerProcess(tmp_path_factory.mktemp("server"), str(model), *flags)
-    yield proc
-    assert proc.terminate() == 0, proc.log()
+    return model
+
+
+FLAGS = ["--device", "cpu-inprocess", "--dtype", "float64", "--max-model-len", "96", "--max-num-seqs", "4"]
+model, server, _ = serve_fixtures(*FLAGS, write_model=write_model)
 
 
 def base(server: ServerProcess, endpoint: str) -> tuple[str, dict]:

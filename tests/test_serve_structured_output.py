@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 from support.grammar_model import CHOICES, MAX_TOKENS, PERSON, REGEX, write_json_model
-from support.serve_harness import ServerProcess
+from support.serve_harness import serve_fixtures
 from tokenizers import Tokenizer
 
 from neuron_async_sm import LLM, SamplingParams
@@ -23,16 +23,7 @@ SAMPLED = dict(temperature=1.0, seed=11)
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return str(write_json_model(tmp_path_factory.mktemp("json-model")))
-
-
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    proc = ServerProcess(tmp_path_factory.mktemp("server"), model, *FLAGS)
-    yield proc
-    assert proc.terminate() == 0, proc.log()
+model, server, _ = serve_fixtures(*FLAGS, write_model=write_json_model)
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]  # tests/support/ -> the repository
@@ -172,3 +174,43 @@ class ServerProcess:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
+
+
+def serve_fixtures(
+    *flags: str, write_model: Callable[[Path], Path] = write_text_model, scope: str = "module"
+) -> tuple[object, object, object]:
+    """The fixtures `model` (a checkpoint `write_model` writes), `server` (`serve` on it with `flags`,
+    which must exit 0 on SIGTERM) and `tokenizer` (the checkpoint's) of a serve test module:
+    ``model, server, tokenizer = serve_fixtures(*FLAGS)``."""
+
+    @pytest.fixture(scope=scope, name="model")
+    def model_fixture(tmp_path_factory: pytest.TempPathFactory) -> str:
+        return str(write_model(tmp_path_factory.mktemp("model")))
+
+    @pytest.fixture(scope=scope, name="server")
+    def server_fixture(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+        proc = ServerProcess(tmp_path_factory.mktemp("server"), model, *flags)
+        yield proc
+        assert proc.terminate() == 0, proc.log()
+
+    @pytest.fixture(scope=scope, name="tokenizer")
+    def tokenizer_fixture(model: str) -> object:  # a tokenizers.Tokenizer (imported where it is used)
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(f"{model}/tokenizer.json")
+
+    return model_fixture, server_fixture, tokenizer_fixture
+
+
+def offline_fixture(**engine: object) -> object:
+    """The fixture `offline`: the offline `LLM` on the module's `model` with `engine` settings, on the
+    in-process device (the reference a server's tokens must equal)."""
+
+    @pytest.fixture(scope="module", name="offline")
+    def offline_llm(model: str) -> Iterator[object]:
+        from neuron_async_sm import LLM
+
+        with LLM(model, device="cpu-inprocess", **engine) as llm:
+            yield llm
+
+    return offline_llm
