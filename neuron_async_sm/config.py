@@ -161,6 +161,11 @@ class EngineConfig:
     # The most top tokens a request's logprobs / prompt_logprobs may ask for (vLLM's --max-logprobs;
     # its -1, the whole vocabulary, is not offered: the top-N are computed on the device every step).
     max_logprobs: int = flag(20, "the most logprobs (top tokens per position) a request may ask for")
+    # Off: such a request is refused naming its field, and a compiling device (xla) does not compile
+    # the program variant that serves them at start-up (engine/warmup.py), which halves its warm-up.
+    sampling_extras: bool = flag(
+        True, "take requests with penalties, logit_bias, min_tokens, min_p or logprobs (off: start faster on xla)"
+    )
     # unfinished programs on the device before enqueue blocks (Neuron worker default)
     runtime_queue_depth: int = flag(32, "programs in flight")
     # emulated accelerator: hold each program at least this long
@@ -209,6 +214,8 @@ class EngineConfig:
         _positive("runtime_queue_depth", self.runtime_queue_depth)
         if not is_int(self.max_logprobs) or self.max_logprobs < 0:
             raise ConfigError(f"max_logprobs: must be an integer >= 0, got {self.max_logprobs!r}")
+        if not isinstance(self.sampling_extras, bool):
+            raise ConfigError(f"sampling_extras: must be True or False, got {self.sampling_extras!r}")
         _positive("device_threads", self.device_threads)
         if self.device_cpu is not None:
             _device_cpu(self.device_cpu, self.device)

@@ -36,6 +36,12 @@ if TYPE_CHECKING:
     import numpy as np
 
 
+def sampling_extras_used(params: SamplingParams) -> list[str]:
+    """The fields of `params` that ask for logits processing or logprobs (EngineConfig.sampling_extras)."""
+    used = [name for name, off in _PROCESSING_OFF.items() if getattr(params, name) != off]
+    return used + [name for name in ("logprobs", "prompt_logprobs") if getattr(params, name) is not None]
+
+
 class Scheduler:
     """Waiting and running queues, KV slots, the token budget, and stop conditions."""
 
@@ -91,6 +97,11 @@ class Scheduler:
             raise InvalidRequestError(
                 f"prompt_token_ids: a prompt of {len(prompt)} tokens leaves no room for output under "
                 f"max_model_len={self.config.max_model_len}"
+            )
+        if not self.config.sampling_extras and (extras := sampling_extras_used(request.sampling_params)):
+            raise InvalidRequestError(
+                f"{extras[0]}: this engine takes no penalties, logit_bias, min_tokens, min_p or logprobs "
+                "(--no-sampling-extras)"
             )
         params = request.sampling_params = self._resolve_logprobs(request.sampling_params)
         outside = [token for token, _ in params.logit_bias if token >= self.vocab_size]

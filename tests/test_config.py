@@ -37,6 +37,7 @@ BAD_CONFIGS = [
     (dict(device_threads=0), "device_threads", "positive integer"),
     (dict(device_time_ms=-1.0), "device_time_ms", ">= 0"),
     (dict(device_time_ms="1"), "device_time_ms", "number"),
+    (dict(sampling_extras="no"), "sampling_extras", "True or False"),
 ]
 
 

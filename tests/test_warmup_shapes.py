@@ -9,17 +9,20 @@ would have compiled while serving. Runs in the main environment, in seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import pytest
 import torch
-from support.workloads import drive, random_workload
+from support.workloads import WorkItem, drive, random_workload
 
-from neuron_async_sm import LLM, EngineConfig
+from neuron_async_sm import LLM, EngineConfig, SamplingParams
 from neuron_async_sm.runtime import Program, ProgramFactory, WarmupCall
 from neuron_async_sm.runtime.accelerator_runtime import AcceleratorOps
 from neuron_async_sm.runtime.local_runtime import LocalRuntime
+from neuron_async_sm.sampling_params import InvalidRequestError
 from neuron_async_sm.worker.model_runner import RELAY_PAD_PROGRAM
 
 SHAPES = dict(
@@ -31,7 +34,7 @@ SHAPES = dict(
     decode_buckets=(1, 2, 4, 8),
 )
 
-Signature = tuple[str, tuple[tuple[str, tuple[int, ...], torch.dtype], ...]]
+Signature = tuple[str, tuple[tuple[str, tuple[int, ...], torch.dtype, int | None], ...]]
 
 
 class CompilingAcceleratorOps(AcceleratorOps):
@@ -50,12 +53,19 @@ class SignatureLoggingPrograms:
     def __call__(self, device: torch.device) -> Mapping[str, Program]:
         def logged(name: str, program: Program) -> Program:
             def call(**inputs: torch.Tensor) -> torch.Tensor:
-                self.calls.append((name, tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in inputs.items()))))
+                self.calls.append((name, tuple(sorted(_signature(k, v) for k, v in inputs.items()))))
                 return program(**inputs)
 
             return call
 
         return {name: logged(name, program) for name, program in self.inner(device).items()}
+
+
+def _signature(name: str, value: torch.Tensor) -> tuple:
+    """An input as it selects the compiled program: its shape and dtype, and a count's value (the top
+    logprobs, read on the host, shape what the program computes)."""
+    count = int(value[0]) if name in ("sample_logprobs", "prompt_logprobs") else None
+    return name, tuple(value.shape), value.dtype, count
 
 
 @dataclass
@@ -89,3 +99,43 @@ def test_serving_with_the_relay_enqueues_no_signature_warm_up_did_not():
     assert any(name == RELAY_PAD_PROGRAM for name, _ in served), "serving did not pad the relay input"
     assert served - warmed == set(), "serving enqueued a signature warm-up did not compile"
     assert stats["compilations"] == 0  # the key is there on a compiling device
+
+
+def with_extras(rng: random.Random, item: WorkItem) -> WorkItem:
+    """`item` with penalties, min_p and logprobs (0..5 top tokens), or some of them, or none. No
+    logit_bias or min_tokens: their lists' width is part of the shape, warmed only one wide."""
+    extras = dict(
+        presence_penalty=rng.choice([0.0, 1.5]),
+        frequency_penalty=rng.choice([0.0, 0.3]),
+        repetition_penalty=rng.choice([1.0, 1.5]),
+        min_p=rng.choice([0.0, 0.1]),
+        logprobs=rng.choice([None, 0, 2, 5]),
+    )
+    return dataclasses.replace(item, params=dataclasses.replace(item.params, **extras))
+
+
+def test_penalties_and_logprobs_enqueue_no_signature_warm_up_did_not():
+    log = SignatureLog()
+    rng = random.Random(77)
+    workloads = [[with_extras(rng, i) for i in random_workload(rng, f"w{n}", max_prompt=40)] for n in range(2)]
+    with LLM("tiny-llama", device="accelerator", async_scheduling=True, runtime_factory=log, **SHAPES) as llm:
+        warmed = set(log.calls)
+        started = len(log.calls)
+        for items in workloads:
+            drive(llm, items, aborts=True)
+    served = set(log.calls[started:])
+    extras = {s for s in served if any(k == "sample_logprobs" for k, *_ in s[1])}
+    assert extras and served - extras, "the workload ran no step with extras, or no step without"
+    assert served - warmed == set(), "serving enqueued a signature warm-up did not compile"
+
+
+def test_without_sampling_extras_warm_up_is_the_plain_programs_and_such_requests_are_refused():
+    log = SignatureLog()
+    config = dict(SHAPES, sampling_extras=False)
+    with LLM("tiny-llama", device="accelerator", runtime_factory=log, **config) as llm:
+        assert not any(k == "sample_logprobs" for _, s in log.calls for k, *_ in s)
+        with pytest.raises(InvalidRequestError, match="presence_penalty: .*--no-sampling-extras"):
+            llm.add_request([5, 6, 7], SamplingParams(max_tokens=2, presence_penalty=0.5))
+        with pytest.raises(InvalidRequestError, match="logprobs: "):
+            llm.add_request([5, 6, 7], SamplingParams(max_tokens=2, logprobs=1))
+        assert [len(o.output_token_ids) for o in llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))] == [2]

@@ -6,6 +6,13 @@ step, `[rows, prefill bucket]` for any other, rows in 1..max_num_seqs. Each call
 (query_lens 0, the scratch slot), so running it writes only the scratch KV slot. With the relay on,
 its programs take the previous output padded to one row count (`relay_width`), so they too are one
 per input shape.
+
+Sampling extras (penalties, logit_bias, min_tokens, min_p, logprobs; `EngineConfig.sampling_extras`)
+change what a step computes, so each is a program of its own. On a compiling device the worker
+sends a step that uses any of them all of them (`model_input.row_inputs`, `one_extras_variant`):
+one more variant per program, which warm-up compiles too when the engine takes such requests. Not
+warmed, compiled when serving first meets them: a logit_bias or min_tokens stop list longer than one
+token (its width, a power of two, is part of the shape), prompt logprobs, a grammar's mask.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ import torch
 
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, padding_inputs
+from neuron_async_sm.model.logits_processors import PROCESSING_INPUTS
+from neuron_async_sm.model.logprobs import block_width
 from neuron_async_sm.runtime import TensorSpec, WarmupCall
 from neuron_async_sm.worker.model_input import SAMPLED_DTYPE, logits_dtype
 from neuron_async_sm.worker.model_runner import LOGITS_PROGRAM, RELAY_PAD_PROGRAM, STEP_PROGRAM, relay_width
@@ -29,11 +38,13 @@ def warmup_shapes(config: EngineConfig) -> list[tuple[int, ...]]:
 
 
 def warmup_calls(config: EngineConfig, vocab_size: int) -> list[WarmupCall]:
-    """One call per shape, of the program this config runs (on-device sampling or host-sampled logits).
+    """One call per shape, of the program this config runs (on-device sampling or host-sampled logits),
+    and with `config.sampling_extras` one more per shape with the extras' inputs (`extras_inputs`).
 
     A decode call runs fed with its own output future (the Steady path's graph: input ids that are a
     previous graph's output). With the relay on, each shape also runs as a relay step: its relay input
-    is a step's output padded to relay_width rows (RELAY_PAD_PROGRAM, compiled once per output row count).
+    is a step's output padded to relay_width rows (RELAY_PAD_PROGRAM, compiled once per output row count
+    and output width).
     """
     if not config.on_device_sampling:
         calls = []
@@ -46,23 +57,40 @@ def warmup_calls(config: EngineConfig, vocab_size: int) -> list[WarmupCall]:
     width = relay_width(config)
     relay = config.async_scheduling and config.async_relay
     calls, relay_calls = [], []
-    for shape in warmup_shapes(config):
-        inputs = padding_inputs(shape, config.max_num_seqs)
-        out = TensorSpec((shape[0],), SAMPLED_DTYPE)
-        plain = WarmupCall(_label(shape), STEP_PROGRAM, inputs, out)
-        if len(shape) == 1:  # Steady: the sampled tokens are the next input
-            calls.append(WarmupCall(_label(shape), STEP_PROGRAM, {**inputs, "input_ids": plain}, out))
-        else:
-            calls.append(plain)
-        if relay and shape[0] <= width:  # no step has more rows than relay_width
-            # This shape's own output, padded, is the relay input: the pads of every output row count.
-            padded = WarmupCall(
-                f"relay pad {shape[0]}", RELAY_PAD_PROGRAM, {"tokens": plain}, TensorSpec((width,), SAMPLED_DTYPE)
-            )
-            rows = torch.full((shape[0],), -1, dtype=torch.int32)  # [rows] relays nothing: padding rows
-            relay_inputs = {**inputs, "relay_tokens": padded, "relay_rows": rows}
-            relay_calls.append(WarmupCall(f"relay {_label(shape)}", STEP_PROGRAM, relay_inputs, out))
+    for extras in (False, True) if config.sampling_extras else (False,):
+        for shape in warmup_shapes(config):
+            inputs = padding_inputs(shape, config.max_num_seqs)
+            out = TensorSpec((shape[0],), SAMPLED_DTYPE)
+            label = _label(shape)
+            if extras:  # the packed output: the tokens, then the sampled tokens' logprobs
+                inputs.update(extras_inputs(shape[0], config.max_logprobs))
+                out = TensorSpec((shape[0], 1 + block_width(config.max_logprobs)), SAMPLED_DTYPE)
+                label = f"{label} with sampling extras"
+            plain = WarmupCall(label, STEP_PROGRAM, inputs, out)
+            if len(shape) == 1:  # Steady: the sampled tokens are the next input
+                calls.append(WarmupCall(label, STEP_PROGRAM, {**inputs, "input_ids": plain}, out))
+            else:
+                calls.append(plain)
+            if relay and shape[0] <= width:  # no step has more rows than relay_width
+                # This shape's own output, padded, is the relay input: the pads of every output row count.
+                pad_out = TensorSpec((width,), SAMPLED_DTYPE)
+                pad_label = f"relay pad {shape[0]}" + (" of a packed output" if extras else "")
+                padded = WarmupCall(pad_label, RELAY_PAD_PROGRAM, {"tokens": plain}, pad_out)
+                rows = torch.full((shape[0],), -1, dtype=torch.int32)  # [rows] relays nothing: padding rows
+                relay_inputs = {**inputs, "relay_tokens": padded, "relay_rows": rows}
+                relay_calls.append(WarmupCall(f"relay {label}", STEP_PROGRAM, relay_inputs, out))
     return calls + relay_calls
+
+
+def extras_inputs(rows: int, max_logprobs: int) -> dict[str, torch.Tensor]:
+    """The sampling extras' inputs of an all-padding step of `rows` rows: every logits-processing input
+    (neutral; lists one wide) and the sampled tokens' logprobs at `max_logprobs`, as the worker sends a
+    step with any extra on a compiling device."""
+    processing = {
+        spec.name: torch.full((rows, 1) if spec.listed else (rows,), spec.pad, dtype=spec.dtype)
+        for spec in PROCESSING_INPUTS
+    }
+    return {**processing, "sample_logprobs": torch.tensor([max_logprobs], dtype=torch.int32)}
 
 
 def _label(shape: tuple[int, ...]) -> str:

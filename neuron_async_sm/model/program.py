@@ -89,59 +89,33 @@ class StepProgram:
     def __call__(
         self,
         *,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        query_lens: torch.Tensor,
-        slot_ids: torch.Tensor,
-        relay_tokens: torch.Tensor | None = None,
-        relay_rows: torch.Tensor | None = None,
         sample_logprobs: torch.Tensor | None = None,
-        prompt_logprobs: torch.Tensor | None = None,
-        prompt_targets: torch.Tensor | None = None,
         token_bitmask: torch.Tensor | None = None,
         **inputs: torch.Tensor,
     ) -> torch.Tensor:
         """Sampled token ids, int32 `[B]`; with logprobs asked, int32 `[B, 1 + width]`, the tokens in
-        column 0 (`model/logprobs.py`). The forward (`forward_logits`) then the sampling (`sample`),
-        the two halves a step whose mask waited runs as two programs.
+        column 0 (`model/logprobs.py`). The forward (`forward_logits`, which takes every input but
+        these and the five `SamplingInputs`) then the sampling (`sample`), the two halves a step whose
+        mask waited runs as two programs.
 
         The nine step inputs are declared in `model/inputs.py` (`STEP_INPUTS`: dtypes, shapes,
-        padding); the five sampling parameters among them (`SamplingInputs`) come in `inputs`.
-        relay_tokens: integer `[P]`, the previous step's sampled tokens (a future);
-        relay_rows: int32 `[B]`, a row of relay_tokens or -1. A future fed as input_ids or
-        relay_tokens may be a packed output `[P, 1 + width]`: its column 0 is the tokens.
-        Logprobs (host inputs, int32 `[1]`): sample_logprobs, the top tokens per sampled token;
-        prompt_logprobs, the top tokens per prompt position, with prompt_targets int32 `[B, L]`, the
-        prompt token after each position (what its logprob is of; 0 where the row has none).
+        padding). sample_logprobs (a host input, int32 `[1]`): the top tokens per sampled token.
         token_bitmask: int32 `[B, ceil(V/32)]`, the grammars' masks (`model/grammar_mask.py`); absent
         when no row samples under a grammar.
-        The rest of `inputs`: the logits-processing inputs (`model/logits_processors.py`), all or none; a
-        step with them writes its input ids into the token history and processes its logits before
-        sampling (the logprobs are of the logits before it, vLLM's raw logprobs).
         """
-        sampling = SamplingInputs.take(inputs)  # what is left: the processing inputs
+        sampling = SamplingInputs.take(inputs)  # what is left is the forward's
         with self._no_autograd():
-            logits = self.forward_logits(
-                input_ids=input_ids,
-                positions=positions,
-                query_lens=query_lens,
-                slot_ids=slot_ids,
-                relay_tokens=relay_tokens,
-                relay_rows=relay_rows,
-                prompt_logprobs=prompt_logprobs,
-                prompt_targets=prompt_targets,
-                **inputs,
-            )
+            logits = self.forward_logits(**inputs)
             return self.sample(
                 logits,
-                positions=positions,
-                query_lens=query_lens,
-                slot_ids=slot_ids,
+                positions=inputs["positions"],
+                query_lens=inputs["query_lens"],
+                slot_ids=inputs["slot_ids"],
                 sample_logprobs=sample_logprobs,
-                prompt_logprobs=prompt_logprobs,
+                prompt_logprobs=inputs.get("prompt_logprobs"),
                 token_bitmask=token_bitmask,
                 **sampling._asdict(),
-                **inputs,
+                **{name: value for name, value in inputs.items() if name in PROCESSING},
             )
 
     def forward_logits(
@@ -159,9 +133,18 @@ class StepProgram:
     ) -> torch.Tensor:
         """The step's forward (the KV writes, and the token history's with `processing`) without
         sampling: logits `[B, vocab]` (host sampling, tests, and a step whose sampling is deferred).
-        With prompt_logprobs, the prompt positions' logprob blocks follow each row's logits:
-        `[B, vocab + L * w]`, in the logits' dtype (float32 values, exact in either), so a deferred
-        step's sampling program gets them with the logits, as one future."""
+
+        relay_tokens: integer `[P]`, the previous step's sampled tokens (a future); relay_rows: int32
+        `[B]`, a row of relay_tokens or -1. A future fed as input_ids or relay_tokens may be a packed
+        output `[P, 1 + width]`: its column 0 is the tokens. prompt_logprobs (a host input, int32
+        `[1]`): the top tokens per prompt position, with prompt_targets int32 `[B, L]`, the prompt
+        token after each position (what its logprob is of; 0 where the row has none); the prompt
+        positions' logprob blocks then follow each row's logits: `[B, vocab + L * w]`, in the logits'
+        dtype (float32 values, exact in either), so a deferred step's sampling program gets them with
+        the logits, as one future.
+        `processing`: the logits-processing inputs (`model/logits_processors.py`), all or none; a
+        step with them writes its input ids into the token history, and its sampling processes the
+        logits (the logprobs are of the logits before it, vLLM's raw logprobs)."""
         if positions.dim() == 1 and input_ids.dim() == 2:  # a decode step fed a packed output
             input_ids = input_ids[:, 0]
         if relay_tokens is not None and relay_tokens.dim() == 2:

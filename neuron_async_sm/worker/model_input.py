@@ -123,9 +123,22 @@ def _padded(values: np.ndarray, num_padded: int, name: str, fill: float | None =
 
 
 def row_inputs(
-    config: EngineConfig, batch: InputBatch, req_ids: tuple[str, ...], slots: np.ndarray, num_padded: int
+    config: EngineConfig,
+    batch: InputBatch,
+    req_ids: tuple[str, ...],
+    slots: np.ndarray,
+    num_padded: int,
+    one_extras_variant: bool = False,
 ) -> RowInputs:
-    """The step's RowInputs: the batch's cached ones when the rows and the padding are the same."""
+    """The step's RowInputs: the batch's cached ones when the rows and the padding are the same.
+
+    `one_extras_variant` (a device that compiles per shape): a step where some row processes its
+    logits or asks for logprobs carries the processing inputs (neutral in the rows that use none)
+    and the sampled tokens' logprobs at `max_logprobs` top tokens (each row reads those it asked
+    for, none when it asked for none), and prompt logprobs come at `max_logprobs` too: what the
+    program computes then depends on the shape alone, one variant per shape, which warm-up compiles
+    (engine/warmup.py). Otherwise every count and combination would be a program of its own,
+    compiled the first time serving meets it."""
     cached = batch.row_inputs_cache
     if isinstance(cached, RowInputs) and cached.num_padded == num_padded and cached.req_ids == req_ids:
         return cached
@@ -139,13 +152,18 @@ def row_inputs(
     }
     params = [batch.requests[r].sampling_params for r in req_ids]
     prompt_len = batch.num_prompt_tokens[slots] - batch.output_base[slots]  # [R] the original prompt
-    processing = processing_inputs(params, prompt_len, num_padded, batch.eos_token_ids)
+    logprob_counts, prompt_counts = batch.logprob_counts[slots], batch.prompt_logprob_counts[slots]
+    top, prompt_top = top_count(logprob_counts), top_count(prompt_counts)
+    always = one_extras_variant and top != NONE
+    processing = processing_inputs(params, prompt_len, num_padded, batch.eos_token_ids, always=always)
+    if one_extras_variant:
+        top = config.max_logprobs if processing else NONE
+        prompt_top = config.max_logprobs if prompt_top != NONE else NONE
     encoded = {
         **{name: WireTensor(value.tobytes(), (num_padded,), INPUTS[name].dtype) for name, value in fixed.items()},
         **{name: WireTensor(v.tobytes(), v.shape, PROCESSING[name].dtype) for name, v in processing.items()},
     }
-    logprob_counts, prompt_counts = batch.logprob_counts[slots], batch.prompt_logprob_counts[slots]
-    if (top := top_count(logprob_counts)) != NONE:
+    if top != NONE:
         encoded["sample_logprobs"] = count_input(top)
     rows = RowInputs(
         req_ids=req_ids,
@@ -157,7 +175,7 @@ def row_inputs(
         logprob_counts=logprob_counts,
         prompt_logprob_counts=prompt_counts,
         logprob_top=top,
-        prompt_logprob_top=top_count(prompt_counts),
+        prompt_logprob_top=prompt_top,
         encoded=encoded,
     )
     batch.row_inputs_cache = rows
@@ -165,7 +183,13 @@ def row_inputs(
 
 
 def build_model_input(
-    config: EngineConfig, scheduled: SchedulerOutput, batch: InputBatch, rows: StepRows, *, cpu_ids: bool = True
+    config: EngineConfig,
+    scheduled: SchedulerOutput,
+    batch: InputBatch,
+    rows: StepRows,
+    *,
+    cpu_ids: bool = True,
+    one_extras_variant: bool = False,
 ) -> ModelInput:
     """The batch takes on the step's `rows` (`InputBatch.update`), then its inputs are built from CPU
     state: a prefill's are vectorized gathers from the batch's arrays; a decode step's few values per
@@ -176,14 +200,14 @@ def build_model_input(
     positions and output indices: the rest (`RowInputs`) is the previous step's. Its ids are the
     previous step's tokens as written back (`batch.last_written`) when that step sampled exactly
     them (`_follows`), and are not built at all (`cpu_ids=False`: POISON_TOKEN in every real row)
-    when the plan feeds every input id from a future.
+    when the plan feeds every input id from a future. `one_extras_variant`: see `row_inputs`.
     """
     batch.update(rows)
     req_ids, shape, is_decode = rows.req_ids, rows.shape, scheduled.all_decode
     slots = batch.slots(req_ids)  # [num_rows]
     written = batch.last_written
     num_padded, num_rows = shape[0], len(req_ids)
-    fixed = row_inputs(config, batch, req_ids, slots, num_padded)
+    fixed = row_inputs(config, batch, req_ids, slots, num_padded, one_extras_variant)
     computed = scheduled.num_computed_tokens
     if is_decode:
         # Every row is past its prompt and samples the token after its one input token. map() over a

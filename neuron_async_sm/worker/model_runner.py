@@ -181,7 +181,12 @@ class ModelRunner:
                 self.num_spec_rows += sum(1 for n in proposed if n)
             else:
                 model_input = build_model_input(
-                    self.config, scheduled, self.batch, rows, cpu_ids=not self._feeds_every_id(plan.input_source)
+                    self.config,
+                    scheduled,
+                    self.batch,
+                    rows,
+                    cpu_ids=not self._feeds_every_id(plan.input_source),
+                    one_extras_variant=self.runtime.compiles_per_shape,
                 )
         fed, fed_rows = self._future_inputs(plan.input_source, model_input)
         if trace is not None:

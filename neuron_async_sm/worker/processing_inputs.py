@@ -20,11 +20,17 @@ def _width(longest: int) -> int:
 
 
 def processing_inputs(
-    params: Sequence[SamplingParams], prompt_len: np.ndarray, num_padded: int, eos_token_ids: Sequence[int]
+    params: Sequence[SamplingParams],
+    prompt_len: np.ndarray,
+    num_padded: int,
+    eos_token_ids: Sequence[int],
+    *,
+    always: bool = False,
 ) -> dict[str, np.ndarray]:
     """The step's processing inputs for rows with `params` (padded to `num_padded` rows), or none when
-    no row processes its logits (the program then skips processing and the history)."""
-    if not any(p.processes_logits for p in params):
+    no row processes its logits (the program then skips processing and the history) unless `always`
+    (every row's neutral values then)."""
+    if not always and not any(p.processes_logits for p in params):
         return {}
     stops = [(*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)) if p.min_tokens > 0 else () for p in params]
     lists = {

@@ -1,4 +1,5 @@
-"""The unchanged engine on each backend: async == sync token for token, the scenarios' paths, no compiles after warm-up.
+"""The unchanged engine on each backend: async == sync token for token, the scenarios' paths, no compiles after warm-up
+(sampling extras included).
 
 Every engine here has the same shape-determining config (`SHAPES`), so a compiling backend compiles
 each program once per test process and later engines find it cached.
@@ -15,7 +16,7 @@ import torch
 from support.workloads import drive, random_workload
 from test_async_scenarios import PATHS, SCENARIOS, relayed, run
 
-from neuron_async_sm import LLM, EngineConfig, SamplingParams
+from neuron_async_sm import LLM, EngineConfig, PromptRequest, SamplingParams
 from neuron_async_sm.runtime import DeviceRuntime, Program, ProgramFactory, create_runtime
 from neuron_async_sm.worker.model_runner import STEP_PROGRAM
 
@@ -25,6 +26,9 @@ SHAPES = dict(
     max_model_len=128,
     max_num_batched_tokens=16,  # long prompts are chunked
     prefill_buckets=(8, 16),
+    # No penalties or logprobs here: on XLA their variant of every program would double the warm-up
+    # (test_a_penalized_request_with_logprobs_compiles_nothing_after_warm_up covers it on few shapes).
+    sampling_extras=False,
 )
 DECODE_BUCKETS = (1, 2, 4, 8)  # the scenarios' buckets are subsets, so their programs are among these
 WORKLOADS = 6
@@ -114,3 +118,42 @@ def test_a_future_of_another_dtype_never_stands_in_for_input_ids(backend):
     assert got == reference
     # The machine's dtype rule: an int64 future never stands in for int32 input ids.
     assert stats["state_counts"]["Steady"] == 0 and stats["state_counts"]["ShapeMismatchRebuild"] > 1, stats
+
+
+# The sampling extras' test keeps its own shapes few: on XLA each is two programs (plain, extras) to compile.
+EXTRAS_SHAPES = dict(
+    dtype="float64",
+    max_num_seqs=1,
+    max_model_len=32,
+    max_num_batched_tokens=8,
+    prefill_buckets=(8,),
+    decode_buckets=(1,),
+    async_relay=False,
+)
+
+
+def test_a_penalized_request_with_logprobs_compiles_nothing_after_warm_up(backend):
+    """On a compiling backend warm-up compiles the sampling extras' variant of every program, so serving
+    penalties and logprobs (of any top-N up to max_logprobs) compiles nothing; its tokens and logprobs
+    are the CPU device's."""
+    if not backend.compiles:
+        pytest.skip("nothing compiles on this backend")
+    params = SamplingParams(
+        max_tokens=8, ignore_eos=True, temperature=0.9, seed=5, presence_penalty=1.5, repetition_penalty=1.3, logprobs=3
+    )
+    requests = [PromptRequest([5, 6, 7, 8, 9, 5, 6, 7, 8, 9], params, "penalized")]
+    with LLM("tiny-llama", device="cpu-inprocess", async_scheduling=False, **EXTRAS_SHAPES) as cpu_llm:
+        (reference,) = cpu_llm.generate(requests)
+    with LLM("tiny-llama", device=backend.name, **EXTRAS_SHAPES) as llm:
+        warmed = llm.engine.runtime.warmup_report
+        (got,) = llm.generate(requests)
+        stats = llm.stats()
+    assert sum(r.compilations for r in warmed if "sampling extras" in r.label) > 0, warmed
+    assert stats["compilations"] == 0, "a program was compiled while serving: warm-up missed a shape"
+    assert stats["async_steps"] > 0, stats  # the steady steps: their input ids are the packed output's tokens
+    assert got.output_token_ids == reference.output_token_ids
+    assert got.logprobs is not None and reference.logprobs is not None
+    for ours, theirs in zip(got.logprobs, reference.logprobs, strict=True):
+        assert (ours.token_id, ours.rank, ours.top_ids) == (theirs.token_id, theirs.rank, theirs.top_ids)
+        assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-5)
+        assert ours.top_logprobs == pytest.approx(theirs.top_logprobs, abs=1e-5)

@@ -38,6 +38,7 @@ ENGINE_FLAGS = [
     ",".join(map(str, DECODE_BUCKETS)),
     "--prefill-buckets",
     ",".join(map(str, SHAPES["prefill_buckets"])),
+    "--no-sampling-extras",  # as SHAPES: no penalties or logprobs, their warm-up skipped
     "--no-progress",
 ]
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
