@@ -18,7 +18,7 @@ import pytest
 import torch
 from support.workloads import WorkItem, drive, random_workload
 
-from neuron_async_sm import LLM, EngineConfig, SamplingParams
+from neuron_async_sm import LLM, EngineConfig, PromptRequest, SamplingParams
 from neuron_async_sm.runtime import Program, ProgramFactory, WarmupCall
 from neuron_async_sm.runtime.accelerator_runtime import AcceleratorOps
 from neuron_async_sm.runtime.local_runtime import LocalRuntime
@@ -87,7 +87,8 @@ def test_serving_with_the_relay_enqueues_no_signature_warm_up_did_not():
     log = SignatureLog()
     rng = random.Random(4321)
     workloads = [random_workload(rng, f"w{n}", max_prompt=40) for n in range(4)]
-    with LLM("tiny-llama", device="accelerator", async_scheduling=True, runtime_factory=log, **SHAPES) as llm:
+    plain = dict(SHAPES, sampling_extras=False)  # no extras asked: their warm-up would only cost time
+    with LLM("tiny-llama", device="accelerator", async_scheduling=True, runtime_factory=log, **plain) as llm:
         warmed = set(log.calls)
         started = len(log.calls)  # calls from here on are serving's
         for items in workloads:
@@ -139,3 +140,39 @@ def test_without_sampling_extras_warm_up_is_the_plain_programs_and_such_requests
         with pytest.raises(InvalidRequestError, match="logprobs: "):
             llm.add_request([5, 6, 7], SamplingParams(max_tokens=2, logprobs=1))
         assert [len(o.output_token_ids) for o in llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))] == [2]
+
+
+def test_grammars_enqueue_no_signature_warm_up_did_not(tmp_path):
+    """With a tokenizer the engine takes structured output: warm-up adds the masked variant and the
+    deferred step's forward and sampling, so constrained requests among free ones (fused and
+    deferred sampling, Steady and Relay) enqueue nothing new."""
+    pytest.importorskip("llguidance")
+    from support.grammar_model import CONSTRAINTS, write_json_model
+
+    model = str(write_json_model(tmp_path / "json-model"))
+    log = SignatureLog()
+    rng = random.Random(5)
+    requests = [
+        PromptRequest(
+            [1, *rng.choices(range(3, 300), k=rng.randint(1, 12))],
+            SamplingParams(
+                max_tokens=16,
+                temperature=1.0,
+                seed=i,
+                structured_outputs=CONSTRAINTS[i % len(CONSTRAINTS)].params if i % 3 else None,
+            ),
+            f"r{i}",
+            arrival_step=rng.randint(0, 12),
+        )
+        for i in range(9)
+    ]
+    config = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, prefill_buckets=(16,))
+    with LLM(model, device="accelerator", decode_buckets=(1, 2, 4), runtime_factory=log, **config) as llm:
+        warmed = set(log.calls)
+        started = len(log.calls)
+        outputs = llm.generate(requests)
+        stats = llm.stats()
+    served = set(log.calls[started:])
+    assert all(o.error is None for o in outputs), [o.error for o in outputs]
+    assert stats["deferred_steps"] > 0 and stats["state_counts"]["Relay"] > 0, stats
+    assert served - warmed == set(), "serving enqueued a signature warm-up did not compile"

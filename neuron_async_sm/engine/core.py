@@ -180,7 +180,10 @@ class EngineCore:
         self.runtimes = start_ranks(
             config,
             lambda group: StepProgramFactory(spec, relay_width(config), group, spec_width, draft_model),
-            warmup=warmup_calls(config, self.model_config.vocab_size),  # compiling devices only
+            # compiling devices only; the grammars' variants where structured output can be asked for
+            warmup=warmup_calls(
+                config, self.model_config.vocab_size, grammars=tokenizer_path(config.model) is not None
+            ),
             runtime_factory=runtime_factory,
         )
         self.runtime = self.runtimes[OUTPUT_RANK]

@@ -10,9 +10,11 @@ per input shape.
 Sampling extras (penalties, logit_bias, min_tokens, min_p, logprobs; `EngineConfig.sampling_extras`)
 change what a step computes, so each is a program of its own. On a compiling device the worker
 sends a step that uses any of them all of them (`model_input.row_inputs`, `one_extras_variant`):
-one more variant per program, which warm-up compiles too when the engine takes such requests. Not
-warmed, compiled when serving first meets them: a logit_bias or min_tokens stop list longer than one
-token (its width, a power of two, is part of the shape), prompt logprobs, a grammar's mask.
+one more variant per program, which warm-up compiles too when the engine takes such requests. A
+step with a grammar's mask carries them as well, so with a tokenizer (structured output) there is
+one variant more with the mask, and the deferred step's forward and sampling. Not warmed, compiled
+when serving first meets them: a logit_bias or min_tokens stop list longer than one token (its width,
+a power of two, is part of the shape), prompt logprobs.
 """
 
 from __future__ import annotations
@@ -20,12 +22,18 @@ from __future__ import annotations
 import torch
 
 from neuron_async_sm.config import EngineConfig
-from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, padding_inputs
+from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, SAMPLING_INPUT_NAMES, padding_inputs
 from neuron_async_sm.model.logits_processors import PROCESSING_INPUTS
 from neuron_async_sm.model.logprobs import block_width
 from neuron_async_sm.runtime import TensorSpec, WarmupCall
 from neuron_async_sm.worker.model_input import SAMPLED_DTYPE, logits_dtype
-from neuron_async_sm.worker.model_runner import LOGITS_PROGRAM, RELAY_PAD_PROGRAM, STEP_PROGRAM, relay_width
+from neuron_async_sm.worker.model_runner import (
+    LOGITS_PROGRAM,
+    RELAY_PAD_PROGRAM,
+    SAMPLE_PROGRAM,
+    STEP_PROGRAM,
+    relay_width,
+)
 
 
 def warmup_shapes(config: EngineConfig) -> list[tuple[int, ...]]:
@@ -37,9 +45,11 @@ def warmup_shapes(config: EngineConfig) -> list[tuple[int, ...]]:
     return shapes
 
 
-def warmup_calls(config: EngineConfig, vocab_size: int) -> list[WarmupCall]:
-    """One call per shape, of the program this config runs (on-device sampling or host-sampled logits),
-    and with `config.sampling_extras` one more per shape with the extras' inputs (`extras_inputs`).
+def warmup_calls(config: EngineConfig, vocab_size: int, *, grammars: bool = False) -> list[WarmupCall]:
+    """One call per shape, of the program this config runs (on-device sampling or host-sampled logits);
+    with `config.sampling_extras` one more per shape with the extras' inputs (`extras_inputs`), and
+    with `grammars` too (the engine takes structured output) one with a mask besides, and in async
+    mode the deferred step's two programs (the forward, then the sampling under the mask).
 
     A decode call runs fed with its own output future (the Steady path's graph: input ids that are a
     previous graph's output). With the relay on, each shape also runs as a relay step: its relay input
@@ -56,29 +66,44 @@ def warmup_calls(config: EngineConfig, vocab_size: int) -> list[WarmupCall]:
         return calls
     width = relay_width(config)
     relay = config.async_scheduling and config.async_relay
+    kinds = ["plain"]
+    if config.sampling_extras:
+        kinds += ["with sampling extras", "with sampling extras and a mask"] if grammars else ["with sampling extras"]
     calls, relay_calls = [], []
-    for extras in (False, True) if config.sampling_extras else (False,):
+    for kind in kinds:
         for shape in warmup_shapes(config):
+            rows = shape[0]
             inputs = padding_inputs(shape, config.max_num_seqs)
-            out = TensorSpec((shape[0],), SAMPLED_DTYPE)
-            label = _label(shape)
-            if extras:  # the packed output: the tokens, then the sampled tokens' logprobs
-                inputs.update(extras_inputs(shape[0], config.max_logprobs))
-                out = TensorSpec((shape[0], 1 + block_width(config.max_logprobs)), SAMPLED_DTYPE)
-                label = f"{label} with sampling extras"
+            out = TensorSpec((rows,), SAMPLED_DTYPE)
+            label = _label(shape) if kind == "plain" else f"{_label(shape)} {kind}"
+            if kind != "plain":  # the packed output: the tokens, then the sampled tokens' logprobs
+                inputs.update(extras_inputs(rows, config.max_logprobs))
+                out = TensorSpec((rows, 1 + block_width(config.max_logprobs)), SAMPLED_DTYPE)
+            forward_inputs = {k: v for k, v in inputs.items() if k not in (*SAMPLING_INPUT_NAMES, "sample_logprobs")}
+            if kind.endswith("a mask"):  # padding rows: every token allowed
+                inputs["token_bitmask"] = torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
             plain = WarmupCall(label, STEP_PROGRAM, inputs, out)
-            if len(shape) == 1:  # Steady: the sampled tokens are the next input
-                calls.append(WarmupCall(label, STEP_PROGRAM, {**inputs, "input_ids": plain}, out))
-            else:
-                calls.append(plain)
-            if relay and shape[0] <= width:  # no step has more rows than relay_width
+            steady = {"input_ids": plain}  # Steady: the sampled tokens are the next input
+            calls.append(WarmupCall(label, STEP_PROGRAM, {**inputs, **steady}, out) if len(shape) == 1 else plain)
+            fed_ways = [{}, steady] if len(shape) == 1 else [{}]
+            if relay and rows <= width:  # no step has more rows than relay_width
                 # This shape's own output, padded, is the relay input: the pads of every output row count.
                 pad_out = TensorSpec((width,), SAMPLED_DTYPE)
-                pad_label = f"relay pad {shape[0]}" + (" of a packed output" if extras else "")
+                pad_label = f"relay pad {rows}" + (" of a packed output" if kind != "plain" else "")
                 padded = WarmupCall(pad_label, RELAY_PAD_PROGRAM, {"tokens": plain}, pad_out)
-                rows = torch.full((shape[0],), -1, dtype=torch.int32)  # [rows] relays nothing: padding rows
-                relay_inputs = {**inputs, "relay_tokens": padded, "relay_rows": rows}
-                relay_calls.append(WarmupCall(f"relay {label}", STEP_PROGRAM, relay_inputs, out))
+                no_rows = torch.full((rows,), -1, dtype=torch.int32)  # [rows] relays nothing: padding rows
+                fed_ways.append({"relay_tokens": padded, "relay_rows": no_rows})
+                relay_calls.append(WarmupCall(f"relay {label}", STEP_PROGRAM, {**inputs, **fed_ways[-1]}, out))
+            if kind.endswith("a mask") and config.async_scheduling:
+                # SampleDeferred: the forward, its input ids from the host, the pending future or the
+                # relay; then the sampling of its logits under the mask.
+                logits = TensorSpec((rows, vocab_size), logits_dtype(config.dtype))
+                sampling = {k: v for k, v in inputs.items() if k != "input_ids"}
+                for fed in fed_ways:
+                    forward = WarmupCall(f"deferred forward {label}", LOGITS_PROGRAM, {**forward_inputs, **fed}, logits)
+                    calls.append(
+                        WarmupCall(f"deferred sample {label}", SAMPLE_PROGRAM, {"logits": forward, **sampling}, out)
+                    )
     return calls + relay_calls
 
 
