@@ -36,6 +36,17 @@ if TYPE_CHECKING:
     import numpy as np
 
 
+# Logits processing (model/logits_processors.py) and each parameter's "off" value.
+_PROCESSING_OFF = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "min_tokens": 0,
+    "logit_bias": (),
+}
+
+
 def sampling_extras_used(params: SamplingParams) -> list[str]:
     """The fields of `params` that ask for logits processing or logprobs (EngineConfig.sampling_extras)."""
     used = [name for name, off in _PROCESSING_OFF.items() if getattr(params, name) != off]
