@@ -13,7 +13,8 @@ from neuron_async_sm import LLM, PromptRequest, SamplingParams
 
 S, NP, CB, SM, RR = "Steady", "NoPendingFuture", "CompositionBreak", "ShapeMismatchRebuild", "ReorderRemap"
 R = "Relay"
-PATHS = (NP, R, CB, SM, RR, S)
+HD = "HostDraftBreak"  # n-gram speculation's row: counted, never taken here
+PATHS = (NP, R, CB, SM, RR, S, HD)
 
 
 def run(tmp_path, requests, **config):

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 
 import pytest
 import torch
-from support.workloads import drive, random_workload
+from support.workloads import assert_matches, drive, drive_batches, greedy, workloads
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.bench.checkpoint import write_checkpoint
@@ -44,19 +43,6 @@ def ngram(k: int) -> dict:
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> str:
     return str(write_checkpoint(tmp_path_factory.mktemp("repetitive"), layer_scale=0.02))
-
-
-def greedy(items):
-    return [dataclasses.replace(w, params=dataclasses.replace(w.params, temperature=0.0)) for w in items]
-
-
-def workloads(seed: int, count: int) -> list:
-    rng = random.Random(seed)
-    return [random_workload(rng, f"w{n}", max_prompt=40) for n in range(count)]
-
-
-def run(llm: LLM, batches: list) -> list:
-    return [drive(llm, items, aborts=False) for items in batches]
 
 
 # -- units ----------------------------------------------------------------------------------------
@@ -161,7 +147,7 @@ def reference(target):
     """Greedy tokens without speculation, sync: the reference every spec run must give."""
     batches = [greedy(items) for items in workloads(7, 4)]
     with LLM(target, async_scheduling=False, **ENGINE) as llm:
-        return batches, run(llm, batches)
+        return batches, drive_batches(llm, batches)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
@@ -169,7 +155,7 @@ def reference(target):
 def test_greedy_tokens_with_speculation_equal_tokens_without(target, reference, k, async_scheduling):
     batches, expected = reference
     with LLM(target, async_scheduling=async_scheduling, speculative_config=ngram(k), **ENGINE) as llm:
-        got = run(llm, batches)
+        got = drive_batches(llm, batches)
         stats = llm.stats()
     for want, have in zip(expected, got, strict=True):
         assert have.tokens == want.tokens
@@ -199,12 +185,7 @@ def test_seeded_sampling_with_speculation_gives_the_same_tokens_async_and_sync(t
     ):
         for items in batches:
             want, got = drive(sync_llm, items, aborts=False), drive(async_llm, items, aborts=True)
-            for item in items:
-                rid = item.request_id
-                if got.finish[rid] == "abort":
-                    assert got.tokens[rid] == want.tokens[rid][: len(got.tokens[rid])], rid
-                else:
-                    assert (got.tokens[rid], got.finish[rid]) == (want.tokens[rid], want.finish[rid]), rid
+            assert_matches(got, want, items)
         assert async_llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
 
 

@@ -16,7 +16,7 @@ import random
 
 import pytest
 import torch
-from support.workloads import WorkItem, drive, random_workload
+from support.workloads import WorkItem, assert_matches, drive, random_workload
 from test_spec_decode import ENGINE, PROMPT, deltas_of, ngram, target  # noqa: F401
 
 from neuron_async_sm import LLM, SamplingParams
@@ -49,12 +49,7 @@ def check_tp2(llm: LLM, churn: tuple) -> None:
     assert len(llm.engine.runtimes) == 2
     for items, want in zip(batches, expected, strict=True):
         got = drive(llm, items, aborts=True)
-        for item in items:
-            rid = item.request_id
-            if got.finish[rid] == "abort":
-                assert got.tokens[rid] == want.tokens[rid][: len(got.tokens[rid])], rid
-            else:
-                assert (got.tokens[rid], got.finish[rid]) == (want.tokens[rid], want.finish[rid]), rid
+        assert_matches(got, want, items)
     spec = llm.stats()["spec_decode"]
     # Most rows verified drafts and most drafts were accepted: runs, not only rejections.
     assert spec["num_spec_rows"] > 10 and spec["num_accepted_tokens"] > spec["num_draft_tokens"] // 2, spec

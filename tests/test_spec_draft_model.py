@@ -10,11 +10,10 @@ seeded weights with the same vocabulary.
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
-from support.workloads import drive, random_workload
+from support.workloads import assert_matches, drive, drive_batches, greedy, workloads
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.bench.checkpoint import MICRO_LLAMA_CONFIG, write_checkpoint, write_noisy_copy
@@ -49,19 +48,6 @@ def close_draft(target, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def far_draft(tmp_path_factory) -> str:
     return str(write_checkpoint(tmp_path_factory.mktemp("far"), seed=5, layer_scale=0.02))
-
-
-def greedy(items):
-    return [dataclasses.replace(w, params=dataclasses.replace(w.params, temperature=0.0)) for w in items]
-
-
-def workloads(seed: int, count: int) -> list:
-    rng = random.Random(seed)
-    return [random_workload(rng, f"w{n}", max_prompt=40) for n in range(count)]
-
-
-def run(llm: LLM, batches: list) -> list:
-    return [drive(llm, items, aborts=False) for items in batches]
 
 
 # -- configuration --------------------------------------------------------------------------------
@@ -129,7 +115,7 @@ def reference(target):
     """Greedy tokens without speculation, sync: the reference every spec run must give."""
     batches = [greedy(items) for items in workloads(7, 2)]
     with LLM(target, async_scheduling=False, **ENGINE) as llm:
-        return batches, run(llm, batches)
+        return batches, drive_batches(llm, batches)
 
 
 # k = 1..4, each mode twice: every pair would double the file's time for little more coverage.
@@ -143,7 +129,7 @@ def test_greedy_tokens_with_a_draft_model_equal_tokens_without(target, close_dra
     with LLM(
         target, async_scheduling=async_scheduling, speculative_config=draft_model(close_draft, k), **ENGINE
     ) as llm:
-        got = run(llm, batches)
+        got = drive_batches(llm, batches)
         spec = llm.stats()["spec_decode"]
     for want, have in zip(expected, got, strict=True):
         assert have.tokens == want.tokens
@@ -159,7 +145,7 @@ def test_a_draft_equal_to_the_target_has_every_draft_accepted(target, reference)
     batches, _ = reference
     sampled = [dataclasses.replace(w, params=dataclasses.replace(w.params, temperature=0.8)) for w in batches[0]]
     with LLM(target, async_scheduling=True, speculative_config=draft_model(target, 3), **ENGINE) as llm:
-        run(llm, [batches[0], sampled])
+        drive_batches(llm, [batches[0], sampled])
         spec = llm.stats()["spec_decode"]
     assert spec["num_accepted_tokens"] == spec["num_draft_tokens"] > 0, spec
 
@@ -182,12 +168,7 @@ def test_seeded_sampling_with_a_draft_model_gives_the_same_tokens_async_and_sync
     ):
         for items in batches:
             want, got = drive(sync_llm, items, aborts=False), drive(async_llm, items, aborts=True)
-            for item in items:
-                rid = item.request_id
-                if got.finish[rid] == "abort":
-                    assert got.tokens[rid] == want.tokens[rid][: len(got.tokens[rid])], rid
-                else:
-                    assert (got.tokens[rid], got.finish[rid]) == (want.tokens[rid], want.finish[rid]), rid
+            assert_matches(got, want, items)
         counts = async_llm.stats()["spec_decode"]
     assert 0 < counts["num_accepted_tokens"] < counts["num_draft_tokens"]
 

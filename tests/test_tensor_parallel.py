@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from support.processes import generate_argv, process_gone
-from support.workloads import drive, random_workload
+from support.workloads import assert_matches, drive, random_workload
 from test_async_scenarios import PATHS, SCENARIOS, R, S, relayed, run
 
 from neuron_async_sm import LLM, ConfigError, EngineConfig, EngineDeadError, SamplingParams
@@ -81,12 +81,7 @@ def check_churn(llm: LLM, reference: LLM, mode: dict) -> None:
     for items in workloads(7, 5):
         expected = drive(reference, items, aborts=False)
         got = drive(llm, items, aborts=True)
-        for item in items:
-            rid = item.request_id
-            if got.finish[rid] == "abort":
-                assert got.tokens[rid] == expected.tokens[rid][: len(got.tokens[rid])], rid
-            else:
-                assert (got.tokens[rid], got.finish[rid]) == (expected.tokens[rid], expected.finish[rid]), rid
+        assert_matches(got, expected, items)
     # Only the output rank's tokens ever reach the host; the other rank's futures are fed or dropped.
     output_rank, other = (runtime.stats().host_transfers for runtime in llm.engine.runtimes)
     assert output_rank > 0 and other == 0, (output_rank, other)

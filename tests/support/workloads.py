@@ -107,3 +107,28 @@ def prompt_lines(items: list[WorkItem]) -> list[dict]:
         }
         for w in items
     ]
+
+
+def assert_matches(got: RunResult, reference: RunResult, items: list[WorkItem]) -> None:
+    """Each request's tokens and finish are the reference's; one aborted mid-flight got a prefix of its
+    reference tokens, nothing after."""
+    for item in items:
+        rid = item.request_id
+        if got.finish[rid] == "abort":
+            assert got.tokens[rid] == reference.tokens[rid][: len(got.tokens[rid])], rid
+        else:
+            assert (got.tokens[rid], got.finish[rid]) == (reference.tokens[rid], reference.finish[rid]), rid
+
+
+def greedy(items: list[WorkItem]) -> list[WorkItem]:
+    return [dataclasses.replace(w, params=dataclasses.replace(w.params, temperature=0.0)) for w in items]
+
+
+def workloads(seed: int, count: int, max_prompt: int = 40) -> list[list[WorkItem]]:
+    """`count` random workloads (request ids w0, w1, ... within each), the same for the same seed."""
+    rng = random.Random(seed)
+    return [random_workload(rng, f"w{n}", max_prompt=max_prompt) for n in range(count)]
+
+
+def drive_batches(llm: LLM, batches: list[list[WorkItem]]) -> list[RunResult]:
+    return [drive(llm, items, aborts=False) for items in batches]
