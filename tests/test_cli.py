@@ -138,6 +138,8 @@ def test_every_generate_flag_in_help_is_accepted(tmp_path, capsys):
         "--no-async-relay": [],  # one per run below
         "--enforce-eager": [],
         "--no-enforce-eager": None,  # compiles for minutes: tests/test_compiled_program.py runs compiled
+        "--sampling-extras": [],
+        "--no-sampling-extras": None,  # refuses penalties and logprobs: test_warmup_shapes
         "--tensor-parallel-size": ["1"],
         "--distributed-executor-backend": ["mp"],
         "--max-num-seqs": ["4"],
