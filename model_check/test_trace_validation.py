@@ -88,7 +88,8 @@ def test_recorded_traces_cover_every_path_both_threads_and_every_finish(recorded
         paths.update(e["state"] for e in events if e["event"] == "step")
         threads.update(e["thread"] for e in events if e["event"] == "Materialize")
         finishes.update(finish.values())
-    assert set(paths) == set(sm.PATH_STATES), paths
+    # HostDraftBreak is n-gram speculation's row: its traces are test_spec_trace_validation's.
+    assert set(paths) == set(sm.PATH_STATES) - {sm.HOST_DRAFT_BREAK}, paths
     engine, output = engine_threads(events)
     assert threads[engine] and threads[output], threads
     assert finishes["stop"] and finishes["length"] and finishes["abort"], finishes
