@@ -78,6 +78,18 @@ def test_rejection_sample_greedy_accepts_the_longest_prefix_equal_to_the_argmax(
     assert width == out.shape[1]
 
 
+def sampled_rows(rows: int, **extra: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sampling inputs for `rows` rows at temperature 1 (no top-k/top-p), seed = row, output index 3."""
+    return dict(
+        temperature=torch.ones(rows),
+        top_k=torch.zeros(rows, dtype=torch.int32),
+        top_p=torch.ones(rows),
+        seeds=torch.arange(rows, dtype=torch.int64),
+        output_index=torch.full((rows,), 3, dtype=torch.int64),
+        **extra,
+    )
+
+
 def test_rejection_sample_draws_by_seed_and_output_index_and_keeps_the_target_distribution():
     """Sampled rows: no draft gives the ordinary sampler's token at every position; a draft is accepted
     about p(d) of the time; the same (seed, output index) always gives the same token."""
@@ -85,13 +97,7 @@ def test_rejection_sample_draws_by_seed_and_output_index_and_keeps_the_target_di
     vocab, rows = 5, 4000
     base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0], dtype=torch.float64)
     logits = base.expand(rows, 2, vocab).clone()
-    params = dict(
-        temperature=torch.ones(rows),
-        top_k=torch.zeros(rows, dtype=torch.int32),
-        top_p=torch.ones(rows),
-        seeds=torch.arange(rows, dtype=torch.int64),
-        output_index=torch.full((rows,), 3, dtype=torch.int64),
-    )
+    params = sampled_rows(rows)
     none = rejection_sample(logits, torch.full((rows, 2), -1), **params)
     plain = sample_tokens(logits[:, 0], **params)
     assert none[:, 0].tolist() == plain.tolist() and (none[:, 1] == -1).all()

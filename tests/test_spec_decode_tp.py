@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 from support.workloads import WorkItem, assert_matches, drive, random_workload
-from test_spec_decode import ENGINE, PROMPT, deltas_of, ngram, target  # noqa: F401
+from test_spec_decode import ENGINE, PROMPT, deltas_of, ngram, sampled_rows, target  # noqa: F401
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.model.spec_decode import rejection_sample
@@ -211,14 +211,7 @@ def test_rejection_sample_under_min_p_never_gives_a_token_min_p_drops():
     vocab, rows = 5, 4000
     base = torch.tensor([2.0, 1.6, 0.5, 0.0, -1.0], dtype=torch.float64)  # p ≈ .47 .32 .10 .06 .02
     logits = base.expand(rows, 2, vocab).clone()
-    params = dict(
-        temperature=torch.ones(rows),
-        top_k=torch.zeros(rows, dtype=torch.int32),
-        top_p=torch.ones(rows),
-        seeds=torch.arange(rows, dtype=torch.int64),
-        output_index=torch.full((rows,), 3, dtype=torch.int64),
-        min_p=torch.full((rows,), 0.3),  # keeps tokens 0 and 1 only
-    )
+    params = sampled_rows(rows, min_p=torch.full((rows,), 0.3))  # min_p keeps tokens 0 and 1 only
     for draft in (2, 1):
         out = rejection_sample(logits, torch.tensor([[draft, -1]]).expand(rows, 2), **params)
         assert set(out[:, 0].tolist()) <= {0, 1}, draft
