@@ -25,7 +25,9 @@ from neuron_async_sm import LLM, PromptRequest, SamplingParams
 pytestmark = needs_vllm
 
 EOS = 2  # the checkpoint's
-LOGPROB_TOL = 1e-5
+# float32 logprobs of one token differ in the last bits when the batch around it differs (vLLM's
+# scheduler batches other requests than our engine's): CI saw 1.1e-5 on a logprob of -2.6.
+LOGPROB_TOL = 1e-4
 MAX_MODEL_LEN = 192
 # vLLM's llguidance backend with compact JSON: our engine's grammars (structured_output.py)
 GUIDANCE = {"backend": "guidance", "disable_any_whitespace": True}
