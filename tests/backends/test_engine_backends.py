@@ -155,5 +155,6 @@ def test_a_penalized_request_with_logprobs_compiles_nothing_after_warm_up(backen
     assert got.logprobs is not None and reference.logprobs is not None
     for ours, theirs in zip(got.logprobs, reference.logprobs, strict=True):
         assert (ours.token_id, ours.rank, ours.top_ids) == (theirs.token_id, theirs.rank, theirs.top_ids)
-        assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-5)
-        assert ours.top_logprobs == pytest.approx(theirs.top_logprobs, abs=1e-5)
+        # float32 logits of a compiled graph and of eager torch differ in their last bits
+        assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert ours.top_logprobs == pytest.approx(theirs.top_logprobs, abs=1e-4)
