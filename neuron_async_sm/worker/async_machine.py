@@ -39,6 +39,14 @@ Path states (each forward step takes exactly one; Steady and Relay count as asyn
 - ReorderRemap: same set, same shape, but `condense()` changed the row order: permute the future's
   real rows into the current order (padding rows untouched). The gather forces the future on the
   worker main thread, so it is a sync fallback.
+- SpecSteady (speculation with a drafter on the device, draft_model; docs/spec-decode.md §7): the
+  pending future drafted (its `next_input`: each row's last accepted token and the k drafts after
+  it), and every row of this step, the same set in the same order, verifies k drafts: `next_input`
+  is the input as it is. Positions and output indices come from the device's own count of each
+  slot's accepted tokens (`slot_len`): the host's counts are optimistic until the output arrives.
+- SpecExit: the pending future drafted, and every row of this step, the same set in the same order,
+  computes one token (speculation turned off near max_model_len): each row's input is the last
+  accepted token, `next_input`'s first column, never a draft's.
 - Steady: same set, same order, all decode, shape and dtype match: the future is the next input_ids,
   no host round trip.
 
@@ -64,6 +72,8 @@ REORDER_REMAP = "ReorderRemap"
 STEADY = "Steady"
 RELAY = "Relay"
 HOST_DRAFT_BREAK = "HostDraftBreak"
+SPEC_STEADY = "SpecSteady"
+SPEC_EXIT = "SpecExit"
 SAMPLE_IN_PROGRAM = "SampleInProgram"
 SAMPLE_DEFERRED = "SampleDeferred"
 
@@ -74,11 +84,13 @@ PATH_STATES = (
     COMPOSITION_BREAK,
     SHAPE_MISMATCH_REBUILD,
     REORDER_REMAP,
+    SPEC_STEADY,
+    SPEC_EXIT,
     STEADY,
 )
 LAUNCH_STATES = (SAMPLE_IN_PROGRAM, SAMPLE_DEFERRED)
 STATES = (IDLE, *PATH_STATES, *LAUNCH_STATES, REINSTATE)
-ASYNC_STATES = frozenset({STEADY, RELAY})  # no host round trip: the main thread never waits on the future
+ASYNC_STATES = frozenset({STEADY, RELAY, SPEC_STEADY, SPEC_EXIT})  # no host round trip: the main thread never waits on the future
 
 
 @dataclass(frozen=True)
@@ -99,6 +111,11 @@ class StepObservation:
     masked_req_ids: frozenset[str] = frozenset()
     pending_sampled_req_ids: frozenset[str] = frozenset()
     host_drafter: bool = False  # speculation drafts from the host's token history (method "ngram")
+    # Speculation with a drafter on the device (draft_model): the pending program drafted (its output
+    # carries `next_input`, [rows, 1 + k] after the tokens), and every row of this step verifies k
+    # drafts (1 + k tokens). A drafted future's rows are its input's rows: pending_shape[0].
+    pending_drafted: bool = False
+    all_spec: bool = False
 
 
 # Predicates over one observation. Each is named for the situation it detects.
@@ -110,12 +127,30 @@ def composition_changed(obs: StepObservation) -> bool:
 
 def future_does_not_fit(obs: StepObservation) -> bool:
     # Not only a bucket change: any step that is not all-decode (its input is [rows, L]), and a dtype
-    # the device produced other than the input's.
+    # the device produced other than the input's. A drafted future fits a step of its row count whose
+    # rows all verify k drafts (SpecSteady) or all compute one token (SpecExit); a mixture does not.
+    if obs.pending_drafted:
+        return (
+            not (obs.all_spec or obs.all_decode)
+            or obs.pending_shape[:1] != obs.input_shape[:1]
+            or obs.pending_dtype != obs.input_dtype
+        )
     return not obs.all_decode or obs.pending_shape != obs.input_shape or obs.pending_dtype != obs.input_dtype
 
 
 def order_changed(obs: StepObservation) -> bool:
     return obs.prev_req_ids != obs.curr_req_ids
+
+
+def spec_steady(obs: StepObservation) -> bool:
+    # Same set, order and rows (the rows before caught any change): every row verifies the drafts
+    # the pending program proposed.
+    return obs.pending_drafted and obs.all_spec
+
+
+def spec_exit(obs: StepObservation) -> bool:
+    # Same set, order and rows, every row one token: the pending future's first column is the input.
+    return obs.pending_drafted and obs.all_decode
 
 
 def host_drafts(obs: StepObservation) -> bool:
@@ -142,6 +177,8 @@ CONDITIONS: dict[str, Predicate] = {
     "composition_changed": composition_changed,
     "future_does_not_fit": future_does_not_fit,
     "order_changed": order_changed,
+    "spec_steady": spec_steady,
+    "spec_exit": spec_exit,
     "mask_waits": mask_waits,
 }
 
@@ -155,6 +192,10 @@ TRANSITIONS: tuple[dict, ...] = (
     {"trigger": "step", "source": REINSTATE, "dest": COMPOSITION_BREAK, "conditions": "composition_changed"},
     {"trigger": "step", "source": REINSTATE, "dest": SHAPE_MISMATCH_REBUILD, "conditions": "future_does_not_fit"},
     {"trigger": "step", "source": REINSTATE, "dest": REORDER_REMAP, "conditions": "order_changed"},
+    {"trigger": "step", "source": REINSTATE, "dest": SPEC_STEADY, "conditions": "spec_steady"},
+    # Hazard: a draft as input. After a drafting step a one-token row reads the last accepted token
+    # (next_input's first column), never a draft's column (NextInputInv, MCExitTakesLastDraft).
+    {"trigger": "step", "source": REINSTATE, "dest": SPEC_EXIT, "conditions": "spec_exit"},
     {"trigger": "step", "source": REINSTATE, "dest": STEADY},
     # Hazard: stale mask. A mask built before the in-flight token reaches its grammar would let the
     # row sample a token the grammar forbids (FreshMaskInv, MCMaskBeforeInFlightToken).
@@ -174,6 +215,10 @@ class InputSource(Enum):
     REMAPPED_FUTURE = "remapped_future"  # the future's real rows gathered into this step's row order
     # built on the device: where(map >= 0, future[map], CPU-built ids), map by request id
     RELAYED_FUTURE = "relayed_future"
+    # a drafted future's next_input [rows, 1 + k] as it is: each row's last accepted token and drafts
+    DRAFTED_FUTURE = "drafted_future"
+    # a drafted future's next_input[:, 0]: each row's last accepted token (never a draft's column)
+    FUTURE_LAST_ACCEPTED = "future_last_accepted"
 
 
 @dataclass(frozen=True)
@@ -208,6 +253,10 @@ PLANS: Mapping[str, StepPlan] = MappingProxyType({
     # Hazard: token ownership after condense(). The future's rows must follow their requests.
     REORDER_REMAP:          StepPlan(materialize_first=False, input_source=InputSource.REMAPPED_FUTURE),
     STEADY:                 StepPlan(materialize_first=False, input_source=InputSource.FUTURE),
+    # Hazard: optimistic positions. The host's counts assume every draft accepted: the program places
+    # each row at its slot's device count of accepted tokens (slot_len), never the host's position.
+    SPEC_STEADY:            StepPlan(materialize_first=False, input_source=InputSource.DRAFTED_FUTURE),
+    SPEC_EXIT:              StepPlan(materialize_first=False, input_source=InputSource.FUTURE_LAST_ACCEPTED),
     # Hazard: stale input ids and token ownership. Only rows whose newest token this future holds
     # are mapped, by request id; every other row's CPU-built id is already correct.
     RELAY:                  StepPlan(materialize_first=False, input_source=InputSource.RELAYED_FUTURE),
