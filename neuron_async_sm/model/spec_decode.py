@@ -16,6 +16,13 @@ row's tokens up to its own; its output index is the row's plus c.
 KV of rejected drafts: written at positions past the request's accepted tokens. No later query
 attends to them (a query attends to positions up to its own), and the request's next row starts at
 its last accepted token, so it overwrites them before any query could reach them.
+
+The device's count (`slot_len`, docs/spec-decode.md §2): per KV slot the tokens whose KV is valid,
+set by every call from what it computed (a prompt chunk: start + its length; a spec or plain row:
+start + 1 + accepted). A row fed from the previous call's `next_input` (`drafted_input`: the
+machine's SpecSteady and SpecExit, no host round trip) is placed there: its positions are
+`slot_len[slot] + arange`, its output index the host's less the host's position plus `slot_len`
+(the host counted every draft in flight as accepted; the difference is the same for both).
 """
 
 from __future__ import annotations
@@ -124,12 +131,20 @@ class SpecStepProgram:
     With a `drafter` (draft_model) the output is `[B, 2W]`: the `[B, W]` tokens, then `next_input`
     `[B, W]`, the row's last accepted token and the k drafts the drafter proposed after it (-1 past
     them: none for a row without tokens, fewer where they would pass max_model_len).
+
+    `drafted_input` (optional, draft_model): the previous call's output `[B, 2W]` (a future, the same
+    rows in the same order). Every real row then computes on its `next_input`: the last accepted token
+    and its first num_drafts drafts (fewer where the drafter proposed fewer), at the device's
+    positions; the host's input_ids and positions of those rows are placeholders.
     """
 
     def __init__(self, program: StepProgram, width: int, drafter: Drafter | None = None) -> None:
         self.program = program
         self.width = width  # W = 1 + k
         self.drafter = drafter
+        # [slots] tokens of each KV slot whose KV is valid, as this program computed them (the
+        # device's count; the same on every TP rank, which run the same calls on the same inputs).
+        self.slot_len = np.zeros(program.scratch_slot + 1, dtype=np.int32)
 
     def __call__(
         self,
@@ -139,6 +154,7 @@ class SpecStepProgram:
         query_lens: torch.Tensor,
         slot_ids: torch.Tensor,
         num_drafts: torch.Tensor,
+        drafted_input: torch.Tensor | None = None,
         **inputs: torch.Tensor,  # the five SamplingInputs, then logits processing's
     ) -> torch.Tensor:
         program, width = self.program, self.width
@@ -149,6 +165,10 @@ class SpecStepProgram:
         rows, length = ids.shape
         lens = query_lens.numpy().astype(np.int64)  # [B]
         drafted = num_drafts.numpy().astype(np.int64)  # [B]
+        if drafted_input is not None:  # SpecSteady / SpecExit: the previous call's next_input, on the device
+            fed = self._fed(drafted_input, ids, pos, lens, drafted, slot_ids, output_index)
+            ids, pos, lens, drafted, output_index = fed
+            query_lens = torch.from_numpy(lens.astype(np.int32))
         if (drafted < 0).any() or (drafted >= np.maximum(lens, 1)).any() or drafted.max(initial=0) >= width:
             raise ValueError(f"num_drafts {drafted.tolist()} must lie in [0, min(query_len, {width}))")
         first = np.maximum(lens - 1 - drafted, 0)  # [B] column of the first verified token
@@ -196,11 +216,65 @@ class SpecStepProgram:
                 **sampling,
             )
             out = out.masked_fill(torch.from_numpy(lens == 0).to(dev).unsqueeze(1), -1).to(torch.int32)
+            host_out = out.cpu().numpy().astype(np.int64)  # eager program: the tokens are computed values
+            accepted = np.maximum((host_out >= 0).sum(axis=1) - 1, 0)  # [B] a
+            # The slot's KV is valid up to the run's new token, which the next row computes on first.
+            chunk_lens = np.where(lens > 0, lens - drafted + accepted, 0)  # [B] prompt chunk, or x0 + accepted drafts
+            start = pos.numpy()[:, 0].astype(np.int64)  # [B] the row's first position
+            real = lens > 0
+            self.slot_len[slot_ids.numpy()[real]] = (start + chunk_lens)[real]
             if drafter is None:
                 return out
-            return torch.cat(
-                [out, self._draft(drafter, out, host_ids, pos, lens, drafted, slot_ids, output_index, sampling)], 1
+            drafts = self._draft(
+                drafter, host_out, accepted, chunk_lens, start, host_ids, lens, slot_ids, output_index, sampling
             )
+            return torch.cat([out, drafts.to(out.device)], 1)
+
+    def _fed(
+        self,
+        drafted_input: torch.Tensor,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        lens: np.ndarray,
+        drafted: np.ndarray,
+        slot_ids: torch.Tensor,
+        output_index: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray, torch.Tensor]:
+        """The inputs of rows fed from the previous call's `next_input` (every real row): ids, positions,
+        lengths and drafts from the device's values, output indices moved to the device's positions."""
+        width = self.width
+        rows, length = ids.shape
+        future = drafted_input.cpu().numpy().astype(np.int64)  # eager program: a computed value
+        if future.shape != (rows, 2 * width):
+            raise ValueError(f"drafted_input {future.shape} must be [{rows}, {2 * width}]: the previous call's output")
+        # Hazard: a draft as input. Column 0 is each row's last accepted token, the drafts follow it: a row
+        # with no drafts (SpecExit) reads column 0 alone, never column k (the last draft) nor the tokens' -1.
+        next_input = future[:, width:]  # [B, W]
+        real = lens > 0
+        if (next_input[real, 0] < 0).any():
+            raise ValueError(f"drafted_input: a fed row has no last accepted token ({next_input[:, 0].tolist()})")
+        proposed = np.cumprod(next_input[:, 1:] >= 0, axis=1).sum(axis=1)  # [B] drafts the previous call made
+        drafted = np.where(real, np.minimum(drafted, proposed), 0)
+        lens = np.where(real, 1 + drafted, 0)
+        if lens.max(initial=0) > length:
+            raise ValueError(f"drafted_input: rows of {lens.tolist()} tokens in input_ids of {length}")
+        cols = np.arange(length)[None, :]  # [1, L]
+        fed_ids = np.zeros((rows, length), dtype=np.int64)
+        span = min(width, length)
+        fed_ids[:, :span] = np.where(cols[:, :span] < lens[:, None], next_input[:, :span], 0)
+        # Hazard: optimistic positions. The host's assume every draft in flight accepted; the slot's
+        # device count is the truth, and the output index moves with the position.
+        start = np.where(real, self.slot_len[slot_ids.numpy()].astype(np.int64), 0)  # [B]
+        host_start = pos.numpy()[:, 0].astype(np.int64)
+        index = output_index.numpy().astype(np.int64) + np.where(real, start - host_start, 0)
+        fed_pos = np.where(cols < lens[:, None], start[:, None] + cols, 0)
+        return (
+            torch.from_numpy(fed_ids.astype(np.int32)),
+            torch.from_numpy(fed_pos.astype(np.int32)),
+            lens,
+            drafted,
+            torch.from_numpy(index),
+        )
 
     def _process(
         self,
@@ -235,22 +309,20 @@ class SpecStepProgram:
     def _draft(
         self,
         drafter: Drafter,
-        out: torch.Tensor,
+        host_out: np.ndarray,
+        accepted: np.ndarray,
+        chunk_lens: np.ndarray,
+        start: np.ndarray,
         host_ids: np.ndarray,
-        pos: torch.Tensor,
         lens: np.ndarray,
-        drafted: np.ndarray,
         slot_ids: torch.Tensor,
         output_index: torch.Tensor,
         sampling: dict[str, torch.Tensor],
     ) -> torch.Tensor:
-        """next_input int32 `[B, W]`: the drafter over each row's accepted tokens, then its drafts."""
-        rows, width = out.shape
-        host_out = out.cpu().numpy().astype(np.int64)  # eager program: the tokens are computed values
-        accepted = np.maximum((host_out >= 0).sum(axis=1) - 1, 0)  # [B] a
-        chunk_lens = np.where(lens > 0, lens - drafted + accepted, 0)  # [B] prompt chunk, or x0 + accepted drafts
+        """next_input int32 `[B, W]`: the drafter over each row's accepted tokens, then its drafts.
+        host_out `[B, W]`: the rows' runs; accepted, chunk_lens, start `[B]`: as `__call__` has them."""
+        rows, width = host_out.shape
         last = torch.from_numpy(host_out[np.arange(rows), accepted])  # [B] the run's last token
-        start = pos.numpy()[:, 0].astype(np.int64)  # [B] the row's first position
         room = self.program.spec.max_model_len - (start + chunk_lens)  # positions left from the new token's
         counts = np.where(lens > 0, np.clip(room, 0, width - 1), 0)  # [B] drafts per row
         drafts = drafter.draft(
@@ -264,4 +336,4 @@ class SpecStepProgram:
             **sampling,
         )
         next_input = torch.cat([last.masked_fill(torch.from_numpy(lens == 0), -1).unsqueeze(1), drafts], 1)
-        return next_input.to(torch.int32).to(out.device)
+        return next_input.to(torch.int32)

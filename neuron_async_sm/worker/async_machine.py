@@ -90,7 +90,8 @@ PATH_STATES = (
 )
 LAUNCH_STATES = (SAMPLE_IN_PROGRAM, SAMPLE_DEFERRED)
 STATES = (IDLE, *PATH_STATES, *LAUNCH_STATES, REINSTATE)
-ASYNC_STATES = frozenset({STEADY, RELAY, SPEC_STEADY, SPEC_EXIT})  # no host round trip: the main thread never waits on the future
+# No host round trip: the main thread never waits on the future.
+ASYNC_STATES = frozenset({STEADY, RELAY, SPEC_STEADY, SPEC_EXIT})
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,12 @@ class AsyncModelRunnerOutput:
         return shape[:1] if self._logprobs is not None else shape
 
     @property
+    def drafted(self) -> bool:
+        """The draft_model spec program made it: it carries next_input (every row: column 0 its last
+        accepted token, then the drafts proposed after it)."""
+        return self._spec_width > 0
+
+    @property
     def step_id(self) -> int:
         return self.snapshot.step_id
 

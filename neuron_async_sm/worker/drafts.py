@@ -61,6 +61,8 @@ def build_spec_model_input(
     batch: InputBatch,
     rows: StepRows,
     drafted: DraftedRows | None = None,
+    *,
+    fed: bool = False,
 ) -> tuple[ModelInput, DraftedRows]:
     """The spec step's inputs (`[B, L]`, every row a chunk: prompt chunks, and decode rows of their last
     accepted token and its drafts), with `num_drafts` `[B]`; and its decode rows' starts and drafts.
@@ -69,6 +71,11 @@ def build_spec_model_input(
     it (1 + k, or 1 once its speculation is off); n-gram may find fewer drafts. The caller holds
     `batch.lock`; every accepted token is in the batch (the plan materialized first). Another rank
     passes the output rank's `drafted` for this step and builds the same rows from it.
+
+    `fed` (the machine's SpecSteady and SpecExit, draft_model): the pending output is not on the
+    host, and the spec program takes each decode row's ids from its `next_input` and its positions
+    from the device's count (`SpecStepProgram`, `drafted_input`). The host builds the rows' shape
+    alone: the scheduler's counts and positions (optimistic), placeholder ids; every rank the same.
     """
     spec = config.speculative_config
     assert spec is not None
@@ -81,7 +88,9 @@ def build_spec_model_input(
         state = batch.requests.get(req_id)
         if state is None or computed[req_id] < state.num_prompt_tokens:
             continue  # a prompt chunk: its positions are the scheduler's, exact
-        if drafted is not None:  # a non-output rank: its batch holds neither the history nor the count
+        if fed:  # placeholders: the device supplies the ids and the positions (docs/spec-decode.md §2)
+            start, proposed = computed[req_id], (0,) * (counts[req_id] - 1)
+        elif drafted is not None:  # a non-output rank: its batch holds neither the history nor the count
             start, proposed = drafted.start[req_id], drafted.drafts[req_id]
         else:
             # Hazard: stale positions. The scheduler's count is optimistic (drafts in flight counted

@@ -259,10 +259,15 @@ class InputBatch:
     def write_runs(
         self, snapshot: StepSnapshot, runs: list[list[int]], next_input: list[list[int]] | None = None
     ) -> None:
-        """Apply one speculative step's tokens: row i's run (accepted drafts, then one more) from
-        position `snapshot.sample_positions[i]` on, by request id as `write_back` does; with
-        `next_input` (draft_model: per row the last accepted token, then the drafts after it), keep
-        each row's drafts for its next spec row."""
+        """Apply one speculative step's tokens: row i's run (accepted drafts, then one more) after
+        the request's tokens so far, by request id as `write_back` does; with `next_input`
+        (draft_model: per row the last accepted token, then the drafts after it), keep each row's
+        drafts for its next spec row.
+
+        After the tokens so far, not at `snapshot.sample_positions[i]`: a row the device placed
+        (SpecSteady, SpecExit) has the host's optimistic position there, which counts the drafts in
+        flight as accepted (an upper bound, asserted). Steps are written back in order (the engine
+        applies step N - 1 before it schedules step N + 1), so the count is the run's start."""
         with self.lock:
             # Hazard: token ownership after condense(): by the snapshot's request ids, never by row.
             for i, (req_id, at, run) in enumerate(zip(snapshot.req_ids, snapshot.sample_positions, runs, strict=True)):
@@ -275,6 +280,10 @@ class InputBatch:
                     # Hazard: wrong draft column. Column 0 is the last accepted token, the drafts follow it.
                     assert row[0] == run[-1], (req_id, row, run)
                     self.drafts[slot] = [d for d in row[1:] if d >= 0]
+                # Hazard: optimistic positions. The host's position of a device-placed row is an upper bound.
+                start = int(self.num_tokens[slot])
+                assert at >= start, (req_id, at, start)
+                at = start
                 self.token_ids[slot, at : at + len(run)] = run
                 # Drafts rejected since the last write may lie past the run: the count is the run's end.
                 self.num_tokens[slot] = at + len(run)

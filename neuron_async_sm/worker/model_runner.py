@@ -41,6 +41,8 @@ RELAY_PAD_PROGRAM = "relay_pad"  # sampled tokens [P] -> [relay_width(config)]: 
 OUTPUT_RANK = 0  # the design's TP0: the one rank whose outputs reach the scheduler and are written back
 
 _SAMPLED_DTYPE_NAME = str(SAMPLED_DTYPE)
+# The plans whose input is a drafted future's next_input (draft_model): the spec program reads it.
+_DRAFTED_SOURCES = (sm.InputSource.DRAFTED_FUTURE, sm.InputSource.FUTURE_LAST_ACCEPTED)
 
 
 def relay_width(config: EngineConfig) -> int:
@@ -175,7 +177,10 @@ class ModelRunner:
             if spec is not None:  # every input on the CPU: the drafts come from the host (n-gram)
                 # Hazard: diverged ranks. Only the output rank has the history: the others take its drafts.
                 assert (drafted is None) == self.is_output_rank, "drafts come from the output rank alone"
-                model_input, self.drafted = build_spec_model_input(self.config, scheduled, self.batch, rows, drafted)
+                fed = self._reads_next_input(plan.input_source)  # the device places these rows (slot_len)
+                model_input, self.drafted = build_spec_model_input(
+                    self.config, scheduled, self.batch, rows, drafted, fed=fed
+                )
                 proposed = [len(d) for d in self.drafted.drafts.values()]
                 self.num_draft_tokens += sum(proposed)
                 self.num_spec_rows += sum(1 for n in proposed if n)
@@ -193,12 +198,12 @@ class ModelRunner:
             trace.relay_from = list(fed_rows) if plan.input_source is sm.InputSource.RELAYED_FUTURE else []
             trace.inputs = self._traced_inputs(plan.input_source, model_input, fed_rows)
             if spec is not None:
-                trace.proposed = _proposed_drafts(model_input)
+                trace.proposed = _proposed_drafts(model_input, self._reads_next_input(plan.input_source))
         num_rows = rows.shape[0] if spec is None else model_input.num_rows  # B (a spec step's shape is rebuilt)
         split, mask = self._launch(scheduled, obs, trace, model_input)
         if spec is not None:  # accepted tokens [B, 1 + k], -1 after each row's run (draft_model: then next_input)
             out = TensorSpec((num_rows, spec.width * (2 if spec.method == "draft_model" else 1)), SAMPLED_DTYPE)
-            future = self.runtime.enqueue(SPEC_STEP_PROGRAM, model_input.inputs, out)
+            future = self.runtime.enqueue(SPEC_STEP_PROGRAM, {**model_input.inputs, **fed}, out)
         elif split:  # SampleDeferred: the forward now; sample_tokens samples its logits under the mask
             # The prompt's logprob blocks, when asked, come after each row's logits (StepProgram.forward_logits).
             layout = model_input.logprobs.layout if model_input.logprobs is not None else None
@@ -311,22 +316,41 @@ class ModelRunner:
         pending = self.pending
         future = pending.future if pending is not None else None
         masked = scheduled.structured_output_req_ids
+        all_decode, all_spec = scheduled.all_decode, False
+        if self.config.speculative_config is not None:
+            all_decode, all_spec = self._spec_rows(scheduled)
         return sm.StepObservation(
             has_pending=pending is not None,
             prev_req_ids=pending.snapshot.req_ids if pending is not None else (),
             curr_req_ids=rows.req_ids,
-            all_decode=scheduled.all_decode,
+            all_decode=all_decode,
             pending_shape=pending.fed_shape if pending is not None else (),
             pending_dtype=dtype_name(future.dtype) if future is not None else "",
             input_shape=rows.shape,
             input_dtype=_SAMPLED_DTYPE_NAME,
             relay=self.config.async_relay,
             host_drafter=self._host_drafter,
+            pending_drafted=pending is not None and pending.drafted,
+            all_spec=all_spec,
             masked_req_ids=masked,
             pending_sampled_req_ids=pending.snapshot.sampled_req_ids()
             if pending is not None and masked
             else frozenset(),
         )
+
+    def _spec_rows(self, scheduled: SchedulerOutput) -> tuple[bool, bool]:
+        """With speculation (the scheduler's all_decode is always False there, every input `[rows, L]`):
+        whether every row is a decode row of one token, and whether every row verifies k drafts."""
+        k = self.config.speculative_config.num_speculative_tokens
+        one = spec = True
+        requests, computed, drafts = self.batch.requests, scheduled.num_computed_tokens, scheduled.num_draft_tokens
+        for req_id, n in scheduled.num_scheduled_tokens.items():
+            state = requests.get(req_id)
+            if state is None or computed[req_id] < state.num_prompt_tokens:  # a new request or a prompt chunk
+                return False, False
+            one = one and n == 1
+            spec = spec and drafts.get(req_id, 0) == k
+        return one, spec
 
     def _decide(self, obs: sm.StepObservation, trace: StepTrace | None) -> str:
         """The step's path state, as the machine decides it from the step's observations."""
@@ -345,11 +369,21 @@ class ModelRunner:
         if source is sm.InputSource.FUTURE:
             # Device-to-device feed: the previous step's sampled tokens are this step's input ids.
             return {"input_ids": self.pending.future}, range(len(model_input.req_ids))  # row i reads row i
+        if source in _DRAFTED_SOURCES:
+            # The same rows in the same order: the spec program reads each row's next_input from the
+            # future, its last accepted token and the first num_drafts drafts (SpecExit: none, so the
+            # last accepted token alone, never a draft's column), at the device's positions.
+            if source is sm.InputSource.FUTURE_LAST_ACCEPTED:
+                assert not model_input.tensor("num_drafts").any(), "SpecExit: every row one token"
+            return {"drafted_input": self.pending.future}, range(len(model_input.req_ids))
         if source is sm.InputSource.RELAYED_FUTURE:
             # The future is an ordinary program input, as in Steady; the program gathers from it.
             relay = self._relay_rows(model_input)
             rows = torch.tensor(relay, dtype=torch.int32)  # [B]
             return {"relay_tokens": self._relay_tokens(), "relay_rows": rows}, relay
+        if self.pending.drafted:  # each rank's own next_input, its rows permuted (the same values on every rank)
+            remapped, order = self._remap_pending(model_input)
+            return {"drafted_input": remapped["input_ids"]}, order
         if not self.is_output_rank:
             return {}, []  # the remap would read the future on the host; the output rank's ids replace these
         return self._remap_pending(model_input)  # InputSource.REMAPPED_FUTURE
@@ -404,6 +438,13 @@ class ModelRunner:
         if self.pending is not None and self.is_output_rank:  # other ranks: see is_output_rank
             self.pending.get_output()
 
+    def _reads_next_input(self, source: sm.InputSource) -> bool:
+        """The spec program takes this step's decode rows from the pending future's next_input, at the
+        device's positions: SpecSteady, SpecExit, and ReorderRemap of a drafted future (docs/spec-decode.md §7)."""
+        if source in _DRAFTED_SOURCES:
+            return True
+        return source is sm.InputSource.REMAPPED_FUTURE and self.pending is not None and self.pending.drafted
+
     def _feeds_every_id(self, source: sm.InputSource) -> bool:
         """The plan's input source replaces every CPU-built input id (see `_future_inputs`)."""
         return source is sm.InputSource.FUTURE or (source is sm.InputSource.REMAPPED_FUTURE and self.is_output_rank)
@@ -438,7 +479,7 @@ class ModelRunner:
         positions, input_ids = model_input.tensor("positions"), model_input.tensor("input_ids")
         first = (positions if model_input.is_decode else positions[:, 0]).tolist()
         ids = (input_ids if model_input.is_decode else input_ids[:, 0]).tolist()
-        from_future = source in (sm.InputSource.FUTURE, sm.InputSource.REMAPPED_FUTURE)
+        from_future = source in (sm.InputSource.FUTURE, sm.InputSource.REMAPPED_FUTURE, *_DRAFTED_SOURCES)
         rows: list[list] = []
         for i, req_id in enumerate(model_input.req_ids):
             if source is sm.InputSource.RELAYED_FUTURE and fed_rows[i] >= 0:
@@ -488,8 +529,11 @@ class ModelRunner:
         )
 
 
-def _proposed_drafts(model_input: ModelInput) -> list[list[int]]:
-    """Per row of a spec step, the draft ids it verifies: the last `num_drafts` of its real tokens."""
+def _proposed_drafts(model_input: ModelInput, on_device: bool) -> list[list[int] | None]:
+    """Per row of a spec step, the draft ids it verifies: the last `num_drafts` of its real tokens;
+    None where the device feeds them (`on_device`: SpecSteady, SpecExit; the host never saw them)."""
+    if on_device:
+        return [None] * len(model_input.req_ids)
     ids, lens = model_input.tensor("input_ids").tolist(), model_input.tensor("query_lens").tolist()
     drafts = model_input.tensor("num_drafts").tolist()
     return [ids[i][lens[i] - drafts[i] : lens[i]] for i in range(len(model_input.req_ids))]
