@@ -17,10 +17,28 @@ def obs(
     pending=True,
     relay=False,
     host=False,
+    drafted=False,
+    spec=False,
 ):
     return sm.StepObservation(
-        pending, prev if pending else (), curr, decode, pshape, pdtype, ishape, "int32", relay, host_drafter=host
+        pending,
+        prev if pending else (),
+        curr,
+        decode,
+        pshape,
+        pdtype,
+        ishape,
+        "int32",
+        relay,
+        host_drafter=host,
+        pending_drafted=drafted,
+        all_spec=spec,
     )
+
+
+def drafted(**kw):
+    """After a draft_model spec step: the future is [rows, 2(1 + k)], this step's input [rows, L]."""
+    return obs(**{"drafted": True, "decode": False, "spec": True, "pshape": (2, 8), "ishape": (2, 4), **kw})
 
 
 @pytest.mark.parametrize(
@@ -77,6 +95,38 @@ def test_with_a_host_drafter_every_step_with_a_pending_future_breaks_for_its_dra
     assert sm.PLANS[sm.HOST_DRAFT_BREAK] == sm.StepPlan(materialize_first=True, input_source=sm.InputSource.CPU)
 
 
+@pytest.mark.parametrize(
+    "observation,expected",
+    [
+        (drafted(), sm.SPEC_STEADY),  # every row verifies k drafts: next_input as it is
+        (drafted(ishape=(2, 8)), sm.SPEC_STEADY),  # the input's width is not the future's
+        (drafted(spec=False, decode=True), sm.SPEC_EXIT),  # every row one token: next_input[:, 0]
+        (drafted(spec=False), sm.SHAPE_MISMATCH_REBUILD),  # spec and plain rows mixed, or a prompt chunk
+        (drafted(spec=False, relay=True), sm.RELAY),
+        (drafted(curr=("a",)), sm.COMPOSITION_BREAK),
+        (drafted(ishape=(3, 4), curr=("a", "b", "c")), sm.COMPOSITION_BREAK),
+        (drafted(curr=("b", "a")), sm.REORDER_REMAP),  # the future's rows permuted, then as SpecSteady
+        (drafted(pdtype="int64"), sm.SHAPE_MISMATCH_REBUILD),
+        (drafted(host=True), sm.HOST_DRAFT_BREAK),
+        (obs(decode=False, spec=True, pshape=(2, 4), ishape=(2, 4)), sm.SHAPE_MISMATCH_REBUILD),  # not drafted
+    ],
+)
+def test_a_drafted_future_fits_an_all_spec_or_all_one_token_step_of_its_rows(observation, expected):
+    assert sm.decide(observation) == expected
+
+
+def test_the_spec_rows_are_async_and_read_the_drafted_future():
+    assert sm.PLANS[sm.SPEC_STEADY] == sm.StepPlan(False, sm.InputSource.DRAFTED_FUTURE)
+    assert sm.PLANS[sm.SPEC_EXIT] == sm.StepPlan(False, sm.InputSource.FUTURE_LAST_ACCEPTED)
+    machine = sm.AsyncStepMachine()
+    for o, state in [(obs(pending=False), sm.NO_PENDING_FUTURE), (drafted(), sm.SPEC_STEADY)]:
+        assert machine.step(o).dest == state
+        machine.reinstate()
+    assert machine.step(drafted(spec=False, decode=True)).dest == sm.SPEC_EXIT
+    assert (machine.async_steps, machine.sync_fallback_steps) == (2, 1)
+    assert machine.state_counts[sm.SPEC_STEADY] == machine.state_counts[sm.SPEC_EXIT] == 1
+
+
 def test_machine_and_pure_decision_agree_and_count():
     machine = sm.AsyncStepMachine()
     seq = [obs(pending=False), obs(pshape=(2,)), obs(), obs(), obs(curr=("b", "a")), obs(curr=("a",))]
@@ -93,6 +143,8 @@ def test_machine_and_pure_decision_agree_and_count():
         sm.STEADY: 2,
         sm.RELAY: 0,
         sm.HOST_DRAFT_BREAK: 0,
+        sm.SPEC_STEADY: 0,
+        sm.SPEC_EXIT: 0,
     }
     machine.step(obs(host=True))  # counted as a sync fallback, in its own state count
     assert (machine.async_steps, machine.sync_fallback_steps) == (2, 5)
@@ -117,8 +169,8 @@ def test_observation_must_match_the_buffer_state():
         machine.step(obs())
 
 
-def test_steady_and_relay_are_the_async_steps():
-    assert sm.ASYNC_STATES == {sm.STEADY, sm.RELAY}
+def test_steady_relay_and_the_spec_rows_are_the_async_steps():
+    assert sm.ASYNC_STATES == {sm.STEADY, sm.RELAY, sm.SPEC_STEADY, sm.SPEC_EXIT}
     assert set(sm.PATH_STATES) | set(sm.LAUNCH_STATES) | {sm.IDLE, sm.REINSTATE} == set(sm.STATES)
 
 

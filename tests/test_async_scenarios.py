@@ -14,7 +14,8 @@ from neuron_async_sm import LLM, PromptRequest, SamplingParams
 S, NP, CB, SM, RR = "Steady", "NoPendingFuture", "CompositionBreak", "ShapeMismatchRebuild", "ReorderRemap"
 R = "Relay"
 HD = "HostDraftBreak"  # n-gram speculation's row: counted, never taken here
-PATHS = (NP, R, CB, SM, RR, S, HD)
+SS, SX = "SpecSteady", "SpecExit"  # draft_model speculation's rows: counted, never taken here
+PATHS = (NP, R, CB, SM, RR, S, HD, SS, SX)
 
 
 def run(tmp_path, requests, **config):

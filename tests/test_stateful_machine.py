@@ -36,10 +36,19 @@ class Step:
     all_decode: bool
     input_shape: tuple[int, ...]  # decode: [bucket]; prefill: [rows, bucket]
     input_dtype: str = SAMPLED
+    all_spec: bool = False  # every row verifies k drafts (speculation with a drafter on the device)
+    drafts: bool = False  # its program drafts (draft_model): its output carries next_input
 
     @property
     def output_shape(self) -> tuple[int, ...]:
+        if self.drafts:  # the tokens, then next_input: [rows, 2(1 + k)], k = 3
+            return (self.input_shape[0], 8)
         return (self.input_shape[0],)  # one sampled token per padded row (a prefill is not padded in rows)
+
+
+def spec_step(req_ids: tuple[str, ...], all_spec: bool = True, one_token: bool = False) -> Step:
+    """A draft_model spec step: its input is [rows, L] whatever its rows hold."""
+    return Step(req_ids, one_token, (len(req_ids), 4 if all_spec else 8), all_spec=all_spec, drafts=True)
 
 
 def decode(req_ids: tuple[str, ...], pad: int = 0) -> Step:
@@ -78,6 +87,8 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
             input_dtype=step.input_dtype,
             relay=relay,
             host_drafter=host_drafter,
+            pending_drafted=pending is not None and pending.drafts,
+            all_spec=step.all_spec,
         )
 
     def _step(self, dest: str, step: Step, relay: bool = False, host_drafter: bool = False) -> None:
@@ -94,13 +105,21 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
     # -- one rule per transition ------------------------------------------------------------------
 
     @precondition(lambda self: self.state == sm.IDLE)
-    @rule(req_ids=IDS, is_decode=st.booleans(), pad=st.integers(0, 3), relay=st.booleans(), host=st.booleans())
+    @rule(
+        req_ids=IDS,
+        is_decode=st.booleans(),
+        pad=st.integers(0, 3),
+        relay=st.booleans(),
+        host=st.booleans(),
+        drafts=st.booleans(),
+    )
     def step_to_NoPendingFuture(
-        self, req_ids: tuple[str, ...], is_decode: bool, pad: int, relay: bool, host: bool
+        self, req_ids: tuple[str, ...], is_decode: bool, pad: int, relay: bool, host: bool, drafts: bool
     ) -> None:
         """First step, or first after a drain: nothing pending, whatever the step looks like (a host-side
-        drafter has the whole history then)."""
-        self._step(sm.NO_PENDING_FUTURE, decode(req_ids, pad) if is_decode else prefill(req_ids), relay, host)
+        drafter has the whole history then; a draft_model prefill drafts after its sample)."""
+        step = decode(req_ids, pad) if is_decode else prefill(req_ids)
+        self._step(sm.NO_PENDING_FUTURE, replace(step, drafts=drafts and not host), relay, host)
 
     @precondition(lambda self: self.state == sm.REINSTATE)
     @rule(data=st.data(), relay=st.booleans(), cause=st.sampled_from(["same", "set", "prefill", "order"]))
@@ -156,7 +175,10 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
         curr = tuple(next_row_order(list(prev), frozenset(removed), added))
         if not curr:  # everyone left: one joins (or, with every id taken, one stays)
             curr = (unused[0],) if unused else prev[:1]
-        self._step(sm.COMPOSITION_BREAK, decode(curr, pad) if is_decode else prefill(curr))
+        step = decode(curr, pad) if is_decode else prefill(curr)
+        if data.draw(st.booleans(), label="drafts"):  # a draft_model step: its rows draft, whatever they are
+            step = spec_step(curr, all_spec=not is_decode, one_token=is_decode)
+        self._step(sm.COMPOSITION_BREAK, step)
 
     @precondition(lambda self: self.state == sm.REINSTATE)
     @rule(data=st.data(), cause=st.sampled_from(["prefill", "bucket", "dtype"]))
@@ -183,7 +205,21 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
             curr = prev[1:] + prev[:1]
         self._step(sm.REORDER_REMAP, Step(curr, True, self.pending.output_shape))
 
-    @precondition(lambda self: self.state == sm.REINSTATE)
+    @precondition(lambda self: self.state == sm.REINSTATE and self.pending.drafts)
+    @rule(relay=st.booleans())
+    def step_to_SpecSteady(self, relay: bool) -> None:
+        """A drafted future, the same rows in the same order, every row verifying k drafts: next_input is
+        the input as it is (relay or not)."""
+        self._step(sm.SPEC_STEADY, spec_step(self.pending.req_ids), relay)
+
+    @precondition(lambda self: self.state == sm.REINSTATE and self.pending.drafts)
+    @rule(relay=st.booleans())
+    def step_to_SpecExit(self, relay: bool) -> None:
+        """A drafted future, the same rows in the same order, every row one token (speculation off near
+        max_model_len): next_input's first column is the input."""
+        self._step(sm.SPEC_EXIT, spec_step(self.pending.req_ids, all_spec=False, one_token=True), relay)
+
+    @precondition(lambda self: self.state == sm.REINSTATE and not self.pending.drafts)
     @rule(relay=st.booleans())
     def step_to_Steady(self, relay: bool) -> None:
         """Same set, same order, all decode, same shape and dtype: the future is the input (relay or not)."""
@@ -258,8 +294,8 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
             assert (self.state == sm.REINSTATE) == (self.pending is not None)
 
     @invariant()
-    def only_steady_and_relay_count_as_async(self) -> None:
-        assert self.machine.async_steps == self.counts[sm.STEADY] + self.counts[sm.RELAY]
+    def only_the_async_states_count_as_async(self) -> None:
+        assert self.machine.async_steps == sum(self.counts[s] for s in sm.ASYNC_STATES)
         assert self.machine.async_steps + self.machine.sync_fallback_steps == sum(self.counts.values())
         assert self.machine.state_counts == {s: self.counts[s] for s in sm.PATH_STATES}
         assert self.machine.launch_counts == {s: self.launches[s] for s in sm.LAUNCH_STATES}

@@ -89,7 +89,7 @@ def check_churn(llm: LLM, reference: LLM, mode: dict) -> None:
     if mode.get("async_scheduling", True):
         reached = {s for s, n in stats["state_counts"].items() if n > 0}
         # The non-output rank's own paths: it never reads its future, even where the output rank must.
-        no_spec = set(sm.PATH_STATES) - {sm.HOST_DRAFT_BREAK}  # the n-gram speculation's row
+        no_spec = set(sm.PATH_STATES) - {sm.HOST_DRAFT_BREAK, sm.SPEC_STEADY, sm.SPEC_EXIT}  # speculation's rows
         assert reached == no_spec - (FALLBACKS if mode["async_relay"] else {sm.RELAY}), stats
 
 

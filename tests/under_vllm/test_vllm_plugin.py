@@ -20,7 +20,7 @@ pytestmark = needs_vllm
 PROMPTS = [[1, *[3 + (7 * i + 5 * k) % 61 for k in range(n - 1)]] for i, n in enumerate((5, 9, 17, 30))]
 NEW_TOKENS = 12
 S, NP, CB, SM, RR, R = "Steady", "NoPendingFuture", "CompositionBreak", "ShapeMismatchRebuild", "ReorderRemap", "Relay"
-PATHS = (NP, R, CB, SM, RR, S, "HostDraftBreak")  # the last: n-gram speculation's, never taken here
+PATHS = (NP, R, CB, SM, RR, S, "HostDraftBreak", "SpecSteady", "SpecExit")  # the last three: speculation's
 
 
 @pytest.fixture(scope="module")
