@@ -13,12 +13,13 @@ import dataclasses
 
 import pytest
 import torch
-from support.workloads import assert_matches, drive, drive_batches, greedy, workloads
+from support.workloads import WorkItem, assert_matches, drive, drive_batches, greedy, workloads
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.bench.checkpoint import MICRO_LLAMA_CONFIG, write_checkpoint, write_noisy_copy
 from neuron_async_sm.config import ConfigError, EngineConfig
 from neuron_async_sm.model.spec_decode import rejection_sample
+from neuron_async_sm.worker import async_machine as sm
 
 ENGINE = dict(
     dtype="float64",  # float32 matmuls may round differently per row count; float64 makes ties negligible
@@ -110,33 +111,51 @@ def test_rejection_sample_with_q_keeps_the_target_distribution():
 # -- equality with no speculation ---------------------------------------------------------------------
 
 
+# A steady batch: three requests that arrive together and run long, none near max_model_len.
+STEADY = [
+    WorkItem(f"s{i}", [5 + i, 17, 3 + i, 99, 42, 8 + i], SamplingParams(max_tokens=100, ignore_eos=True), 0)
+    for i in range(3)
+]
+
+
 @pytest.fixture(scope="module")
 def reference(target):
-    """Greedy tokens without speculation, sync: the reference every spec run must give."""
-    batches = [greedy(items) for items in workloads(7, 2)]
+    """Greedy tokens without speculation, sync: the reference every spec run must give. The last
+    batch is the steady one."""
+    batches = [*(greedy(items) for items in workloads(7, 2)), greedy(STEADY)]
     with LLM(target, async_scheduling=False, **ENGINE) as llm:
         return batches, drive_batches(llm, batches)
 
 
-# k = 1..4, each mode twice: every pair would double the file's time for little more coverage.
+# k = 1..4 in each mode but sync k = 2: every pair would double the file's time for little more coverage.
 @pytest.mark.parametrize(
     ("k", "async_scheduling"),
-    [(1, False), (2, True), (3, False), (4, True), (1, True), (4, False)],
-    ids=["sync-1", "async-2", "sync-3", "async-4", "async-1", "sync-4"],
+    [(1, False), (2, True), (3, False), (4, True), (1, True)],
+    ids=["sync-1", "async-2", "sync-3", "async-4", "async-1"],
 )
 def test_greedy_tokens_with_a_draft_model_equal_tokens_without(target, close_draft, reference, k, async_scheduling):
+    """Churny workloads, then the steady batch; async, the steady batch's decode steps take SpecSteady
+    nine times in ten (docs/spec-decode.md §7: next_input is the next input, on the device)."""
     batches, expected = reference
     with LLM(
         target, async_scheduling=async_scheduling, speculative_config=draft_model(close_draft, k), **ENGINE
     ) as llm:
-        got = drive_batches(llm, batches)
-        spec = llm.stats()["spec_decode"]
+        got = drive_batches(llm, batches[:-1])
+        before = dict(llm.stats().get("state_counts", {}))
+        got.append(drive(llm, batches[-1], aborts=False))
+        stats = llm.stats()
+    spec = stats["spec_decode"]
     for want, have in zip(expected, got, strict=True):
         assert have.tokens == want.tokens
         assert have.finish == want.finish
     # The high-acceptance draft: most drafts are accepted (a drafter whose KV or positions were off
     # would agree with the target far less often).
     assert spec["num_accepted_tokens"] >= 0.85 * spec["num_draft_tokens"] > 0, spec
+    if async_scheduling:
+        steady = {s: n - before.get(s, 0) for s, n in stats["state_counts"].items() if n > before.get(s, 0)}
+        decode_steps = sum(steady.values()) - 1  # the first step is the batch's prefill
+        assert steady.get(sm.SPEC_STEADY, 0) >= 0.9 * decode_steps, steady
+        assert sm.STEADY not in steady and sm.HOST_DRAFT_BREAK not in steady, steady
 
 
 def test_a_draft_equal_to_the_target_has_every_draft_accepted(target, reference):
@@ -175,16 +194,28 @@ def test_seeded_sampling_with_a_draft_model_gives_the_same_tokens_async_and_sync
 
 def test_up_to_max_model_len_the_output_ends_where_it_would_without_speculation(target, close_draft):
     """Requests that fill their room: the drafter drafts only as far as max_model_len (a draft past it
-    would be a position the program refuses) and the output ends where the plain run's does."""
+    would be a position the program refuses) and the output ends where the plain run's does.
+
+    Then the switch, built on purpose: with the target as its own draft every draft is accepted, so
+    three requests of one prompt length advance in lockstep, and all turn speculation off at the same
+    step (room - 1 is not a multiple of 1 + k): the steps after it take SpecExit, whose rows compute
+    on next_input's first column, the last accepted token (docs/spec-decode.md §4)."""
     engine = {**ENGINE, "max_model_len": 40}
     prompts = [[5, 17, 3, 99, 42, 8, 11], [7, 300, 1], [64, 2, 9, 9, 13, 500, 31, 4, 77]]
+    lockstep = [[5 + i, 17, 3, 99, 42, 8, 11, 6] for i in range(3)]  # room 32: 1 + 4n never reaches 31
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     with LLM(target, async_scheduling=False, **engine) as plain:
         want = [(o.output_token_ids, o.finish_reason) for o in plain.generate(prompts, params)]
+        want_lockstep = [o.output_token_ids for o in plain.generate(lockstep, params)]
     with LLM(target, async_scheduling=True, speculative_config=draft_model(close_draft, 4), **engine) as llm:
         got = [(o.output_token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
     assert got == want
     assert [len(tokens) for tokens, _ in got] == [40 - len(p) for p in prompts]
+    with LLM(target, async_scheduling=True, speculative_config=draft_model(target, 3), **engine) as llm:
+        got_lockstep = [o.output_token_ids for o in llm.generate(lockstep, params)]
+        counts = llm.stats()["state_counts"]
+    assert got_lockstep == want_lockstep
+    assert counts[sm.SPEC_EXIT] >= 2 and counts[sm.SPEC_STEADY] > 0, counts
 
 
 # -- transformers' assisted generation ------------------------------------------------------------------
