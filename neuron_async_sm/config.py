@@ -259,11 +259,12 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
             # n-gram drafts need every accepted token on the host: every step with a pending future
             # materializes it first (HostDraftBreak), so there is nothing for the relay to build on
-            # the device (docs/spec-decode.md §6).
+            # the device (docs/spec-decode.md §6). draft_model: a relay of next_input's rows by request
+            # id is not built; a composition change materializes (CompositionBreak).
             if self.async_scheduling and self.async_relay:
                 logger.warning(
-                    "async_relay: off with speculative_config (method %r): its drafts are built on the host "
-                    "from every accepted token, so each step with a step in flight materializes it first",
+                    "async_relay: off with speculative_config (method %r): the relay does not build "
+                    "speculative inputs, so a step whose rows change materializes the step in flight first",
                     self.speculative_config.method,
                 )
             object.__setattr__(self, "async_relay", False)

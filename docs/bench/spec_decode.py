@@ -4,8 +4,9 @@
 (`write_checkpoint(..., layer_scale=s)`): 0.02 repeats (high acceptance), 0.1 less.
 `python docs/bench/spec_decode.py draft_model`: the target is the 0.02 one; the high-acceptance
 draft is its first layer alone (`write_noisy_copy(..., noise=0, num_layers=1)`), the low one that
-layer with noise of 0.3 times each weight's std. The four configurations alternate within each
-repetition; prints one dict per run (docs/benchmarks.md, "Speculative decoding").
+layer with noise of 0.3 times each weight's std. `... draft_model high` runs the high setting alone.
+The four configurations alternate within each repetition; prints one dict per run, with the share
+of the timed run's steps each machine row took (async; docs/benchmarks.md, "Speculative decoding").
 """
 
 import random
@@ -42,21 +43,28 @@ def settings(method: str) -> list[tuple[str, str, dict]]:
 
 def main() -> None:
     method = sys.argv[1] if len(sys.argv) > 1 else "ngram"
+    only = sys.argv[2] if len(sys.argv) > 2 else None
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(2, 20))] for _ in range(REQUESTS)]
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
     for label, target, speculative in settings(method):
+        if only is not None and label != only:
+            continue
         for rep in range(REPS):
             for async_scheduling in (False, True):
                 for spec in (None, speculative):
                     with LLM(target, **ENGINE, async_scheduling=async_scheduling, speculative_config=spec) as llm:
                         llm.generate(prompts[:2], SamplingParams(max_tokens=8))  # warm-up, unrecorded
+                        before = llm.stats().get("state_counts", {})
                         started = time.perf_counter()
                         llm.generate(prompts, params)
                         elapsed = time.perf_counter() - started
                         stats = llm.stats()
                     row = dict(setting=label, rep=rep, async_scheduling=async_scheduling, spec=spec is not None)
                     row.update(tok_s=REQUESTS * TOKENS / elapsed, steps=stats["steps"], **stats.get("spec_decode", {}))
+                    counts = {s: n - before.get(s, 0) for s, n in stats.get("state_counts", {}).items()}
+                    if total := sum(counts.values()):  # the timed run's steps, by the row each took
+                        row["rows"] = {s: round(n / total, 3) for s, n in counts.items() if n}
                     print(row, flush=True)
 
 
