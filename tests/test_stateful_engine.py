@@ -532,6 +532,19 @@ class EngineWithSpeculation(EngineVsReference):
                 assert request.num_computed_tokens == received + request.num_output_placeholders - 1, req_id
 
 
+class EngineWithDraftModel(EngineWithSpeculation):
+    """draft_model speculation (k = 3) in process: tiny-llama drafting for itself, so greedy drafts are
+    all accepted and a batch that keeps its rows runs on the device's rows (SpecSteady, SpecExit)."""
+
+    DEVICE = "cpu-draft"
+
+    @invariant()
+    def host_drafts_break_every_step_with_a_pending_future(self) -> None:
+        """Not n-gram: no row breaks for host drafts, and a drafted future never feeds a plain Steady."""
+        counts = self.llm.engine.runner.machine.state_counts
+        assert counts[sm.HOST_DRAFT_BREAK] == counts[sm.STEADY] == 0, counts
+
+
 # The in-process engine also runs under back-pressure: with a runtime queue of one program, every
 # enqueue of the two-deep pipeline waits for the device. The device-process engine runs with the relay
 # (the default), the in-process one without it (the design's breaks, rebuilds and remaps).
@@ -539,10 +552,14 @@ ENGINE_EXTRA: dict[str, dict] = {
     "cpu": {"async_relay": True},
     "cpu-inprocess": {"runtime_queue_depth": 1, "async_relay": False},
     "cpu-spec": {"device": "cpu", "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+    "cpu-draft": {
+        "device": "cpu-inprocess",
+        "speculative_config": {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens": 3},
+    },
 }
 
 
-_SHARE = {"cpu": 0.5, "cpu-inprocess": 0.5, "cpu-spec": 0.25}  # of the profile's max_examples
+_SHARE = {"cpu": 0.5, "cpu-inprocess": 0.5, "cpu-spec": 0.25, "cpu-draft": 0.15}  # of the profile's max_examples
 
 
 def _settings(device: str) -> settings:
@@ -555,6 +572,8 @@ TestEngineInProcess = EngineInProcess.TestCase
 TestEngineInProcess.settings = _settings("cpu-inprocess")
 TestEngineWithSpeculation = EngineWithSpeculation.TestCase
 TestEngineWithSpeculation.settings = _settings("cpu-spec")
+TestEngineWithDraftModel = EngineWithDraftModel.TestCase
+TestEngineWithDraftModel.settings = _settings("cpu-draft")
 
 
 def test_stateful_runs_reach_every_path_state_and_fault():

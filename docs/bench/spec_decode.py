@@ -5,8 +5,8 @@
 `python docs/bench/spec_decode.py draft_model`: the target is the 0.02 one; the high-acceptance
 draft is its first layer alone (`write_noisy_copy(..., noise=0, num_layers=1)`), the low one that
 layer with noise of 0.3 times each weight's std. `... draft_model high` runs the high setting alone.
-The four configurations alternate within each repetition; prints one dict per run, with the share
-of the timed run's steps each machine row took (async; docs/benchmarks.md, "Speculative decoding").
+The four configurations alternate within each repetition; prints one dict per run, with the timed
+run's steps counted by the machine row each took (async; docs/benchmarks.md, "Speculative decoding").
 """
 
 import random
@@ -17,7 +17,7 @@ from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.bench.checkpoint import write_checkpoint, write_noisy_copy
 
 SCALES = (0.02, 0.1)
-REPS = 2
+REPS = int(sys.argv[3]) if len(sys.argv) > 3 else 2
 REQUESTS, TOKENS = 8, 160
 ENGINE = dict(
     dtype="float32", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64, prefill_buckets=(8, 16, 32, 64)
@@ -63,8 +63,8 @@ def main() -> None:
                     row = dict(setting=label, rep=rep, async_scheduling=async_scheduling, spec=spec is not None)
                     row.update(tok_s=REQUESTS * TOKENS / elapsed, steps=stats["steps"], **stats.get("spec_decode", {}))
                     counts = {s: n - before.get(s, 0) for s, n in stats.get("state_counts", {}).items()}
-                    if total := sum(counts.values()):  # the timed run's steps, by the row each took
-                        row["rows"] = {s: round(n / total, 3) for s, n in counts.items() if n}
+                    if sum(counts.values()):  # the timed run's steps, by the row each took
+                        row["rows"] = {s: n for s, n in counts.items() if n}
                     print(row, flush=True)
 
 

@@ -186,8 +186,8 @@ def check_machine(llm: LLM) -> None:
     assert (machine.state == sm.REINSTATE) == (runner.pending is not None), (machine.state, runner.pending)
     assert machine.async_steps + machine.sync_fallback_steps == engine.num_steps, (machine.counters(), engine.num_steps)
     assert sum(machine.state_counts.values()) == engine.num_steps, (machine.counters(), engine.num_steps)
-    async_steps = machine.state_counts[sm.STEADY] + machine.state_counts[sm.RELAY]
-    assert machine.async_steps == async_steps, f"only Steady and Relay are async: {machine.counters()}"
+    async_steps = sum(machine.state_counts[s] for s in sm.ASYNC_STATES)
+    assert machine.async_steps == async_steps, f"only {sorted(sm.ASYNC_STATES)} are async: {machine.counters()}"
     if not llm.config.async_relay:
         assert machine.state_counts[sm.RELAY] == 0, f"relayed with the relay off: {machine.counters()}"
 
