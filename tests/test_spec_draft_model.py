@@ -10,10 +10,11 @@ seeded weights with the same vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
-from support.workloads import WorkItem, assert_matches, drive, drive_batches, greedy, workloads
+from support.workloads import WorkItem, assert_matches, drive, drive_batches, greedy, random_workload, workloads
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.bench.checkpoint import MICRO_LLAMA_CONFIG, write_checkpoint, write_noisy_copy
@@ -178,8 +179,10 @@ def test_one_request_alone_gives_the_tokens_it_gives_batched(target, close_draft
 
 
 def test_seeded_sampling_with_a_draft_model_gives_the_same_tokens_async_and_sync(target, far_draft):
-    """The low-acceptance draft: rejections, so the residual max(p - q, 0) is drawn often."""
-    batches = workloads(11, 2)
+    """The low-acceptance draft: rejections, so the residual max(p - q, 0) is drawn often. The second
+    workload has penalties, logit_bias, min_tokens and min_p: async, a SpecSteady row's history counts
+    and output index come from the device's positions (slot_len), sync's from the host's."""
+    batches = [workloads(11, 1)[0], random_workload(random.Random(12), "p", processing=True)]
     spec = draft_model(far_draft, 3)
     with (
         LLM(target, async_scheduling=False, speculative_config=spec, **ENGINE) as sync_llm,
@@ -188,8 +191,9 @@ def test_seeded_sampling_with_a_draft_model_gives_the_same_tokens_async_and_sync
         for items in batches:
             want, got = drive(sync_llm, items, aborts=False), drive(async_llm, items, aborts=True)
             assert_matches(got, want, items)
-        counts = async_llm.stats()["spec_decode"]
+        counts, states = async_llm.stats()["spec_decode"], async_llm.stats()["state_counts"]
     assert 0 < counts["num_accepted_tokens"] < counts["num_draft_tokens"]
+    assert states[sm.SPEC_STEADY] > 0, states
 
 
 def test_up_to_max_model_len_the_output_ends_where_it_would_without_speculation(target, close_draft):
