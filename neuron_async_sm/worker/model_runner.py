@@ -174,13 +174,15 @@ class ModelRunner:
             with self.tracer.observer.span("materialize"):
                 self._materialize_pending()
         with self.batch.lock:  # the output thread's write-back waits while the batch changes
-            if spec is not None:  # every input on the CPU: the drafts come from the host (n-gram)
+            if spec is not None:  # drafts from the host (n-gram, a fallback row) or the device's next_input
                 # Hazard: diverged ranks. Only the output rank has the history: the others take its drafts.
                 assert (drafted is None) == self.is_output_rank, "drafts come from the output rank alone"
-                fed = self._reads_next_input(plan.input_source)  # the device places these rows (slot_len)
+                on_device = self._reads_next_input(plan.input_source)  # the device places these rows (slot_len)
                 model_input, self.drafted = build_spec_model_input(
-                    self.config, scheduled, self.batch, rows, drafted, fed=fed
+                    self.config, scheduled, self.batch, rows, drafted, fed=on_device
                 )
+                # On the device's rows, the drafts the scheduler reserved (the drafter proposes as many
+                # unless max_model_len is near, where the scheduler has turned speculation off).
                 proposed = [len(d) for d in self.drafted.drafts.values()]
                 self.num_draft_tokens += sum(proposed)
                 self.num_spec_rows += sum(1 for n in proposed if n)
@@ -341,8 +343,9 @@ class ModelRunner:
     def _spec_rows(self, scheduled: SchedulerOutput) -> tuple[bool, bool]:
         """With speculation (the scheduler's all_decode is always False there, every input `[rows, L]`):
         whether every row is a decode row of one token, and whether every row verifies k drafts."""
-        k = self.config.speculative_config.num_speculative_tokens
-        one = spec = True
+        config = self.config.speculative_config
+        assert config is not None
+        k, one, spec = config.num_speculative_tokens, True, True
         requests, computed, drafts = self.batch.requests, scheduled.num_computed_tokens, scheduled.num_draft_tokens
         for req_id, n in scheduled.num_scheduled_tokens.items():
             state = requests.get(req_id)
