@@ -308,3 +308,55 @@ def test_the_drafter_proposes_its_own_continuation_of_the_accepted_tokens(target
     )
     want = torch.softmax(logits[0].double() / temperature, -1)
     assert drafter.probs is not None and torch.allclose(drafter.probs[2, 0], want, atol=1e-12)
+
+
+def test_rows_fed_from_next_input_at_slot_len_compute_what_exact_host_rows_compute(target, far_draft):
+    """SpecSteady at program level: one program gets each row built on the host from the accepted
+    tokens at their true positions; a twin gets the previous call's output as `drafted_input` with
+    placeholder ids and the host's optimistic positions (every draft counted as accepted), and places
+    the rows itself (slot_len). Seeded sampling, the low-acceptance draft (rejections): every call's
+    tokens and next_input agree, so the twin's positions, output indices and KV are the true ones."""
+    from support.reference import RowStep, pack_step  # noqa: PLC0415
+
+    from neuron_async_sm.model import ModelSpec, build_step_program  # noqa: PLC0415
+    from neuron_async_sm.model.drafter import Drafter  # noqa: PLC0415
+    from neuron_async_sm.model.spec_decode import SpecStepProgram  # noqa: PLC0415
+
+    k, width = 3, 4
+
+    def program() -> SpecStepProgram:
+        def spec(model: str) -> ModelSpec:
+            return ModelSpec(model, "float64", max_num_seqs=4, max_model_len=64)
+
+        return SpecStepProgram(build_step_program(spec(target)), width, Drafter(build_step_program(spec(far_draft)), k))
+
+    exact, fed = program(), program()
+    scratch = exact.program.scratch_slot
+    prompts = {1: [5, 17, 3, 99, 42, 8], 3: [7, 300, 1, 64]}
+    sampling = {1: dict(temperature=0.8, seed=4), 3: dict(temperature=0.0)}
+    tokens = {slot: list(p) for slot, p in prompts.items()}  # accepted so far
+    optimistic = {slot: len(p) for slot, p in prompts.items()}  # the host's position of the next row's x0
+    rows = [RowStep(tuple(p), 0, slot, **sampling[slot]) for slot, p in prompts.items()]
+    step = pack_step(rows, scratch)
+    drafts = torch.zeros(2, dtype=torch.int32)
+    out = exact(**step, num_drafts=drafts)
+    fed_out = fed(**step, num_drafts=drafts)
+    assert torch.equal(fed_out, out)
+    rejected = 0
+    for _ in range(5):
+        exact_rows, fed_rows = [], []
+        for slot, result in zip(prompts, out.tolist(), strict=True):
+            run, next_input = [t for t in result[:width] if t >= 0], result[width:]
+            rejected += width - len(run) if len(tokens[slot]) > len(prompts[slot]) else 0
+            tokens[slot] += run
+            at, host_at = len(tokens[slot]) - 1, optimistic[slot]
+            index = {"output_index": at + 1 - len(prompts[slot])}  # the output index of x0's successor
+            exact_rows.append(RowStep((next_input[0], *next_input[1:]), at, slot, **sampling[slot], **index))
+            host_index = {"output_index": host_at + 1 - len(prompts[slot])}  # optimistic, as the host's
+            fed_rows.append(RowStep((0,) * width, host_at, slot, **sampling[slot], **host_index))
+            optimistic[slot] = host_at + width
+        drafts = torch.full((2,), k, dtype=torch.int32)
+        out = exact(**pack_step(exact_rows, scratch), num_drafts=drafts)
+        fed_out = fed(**pack_step(fed_rows, scratch), num_drafts=drafts, drafted_input=fed_out)
+        assert torch.equal(fed_out, out), (fed_out, out)
+    assert rejected > 0  # positions diverged from the host's optimistic ones
