@@ -247,8 +247,9 @@ class SpecStepProgram:
         future = drafted_input.cpu().numpy().astype(np.int64)  # eager program: a computed value
         if future.shape != (rows, 2 * width):
             raise ValueError(f"drafted_input {future.shape} must be [{rows}, {2 * width}]: the previous call's output")
-        # Hazard: a draft as input. Column 0 is each row's last accepted token, the drafts follow it: a row
-        # with no drafts (SpecExit) reads column 0 alone, never column k (the last draft) nor the tokens' -1.
+        # Hazard: a draft as input (the production runner's garbage tokens at the spec -> non-spec switch).
+        # Column 0 is each row's last accepted token, the drafts follow it: a row with no drafts (SpecExit)
+        # reads column 0 alone, never column k (the last draft) nor the tokens' -1 (NextInputInv).
         next_input = future[:, width:]  # [B, W]
         real = lens > 0
         if (next_input[real, 0] < 0).any():
