@@ -119,7 +119,9 @@ class AsyncStepMachineVsTable(RuleBasedStateMachine):
         """First step, or first after a drain: nothing pending, whatever the step looks like (a host-side
         drafter has the whole history then; a draft_model prefill drafts after its sample)."""
         step = decode(req_ids, pad) if is_decode else prefill(req_ids)
-        self._step(sm.NO_PENDING_FUTURE, replace(step, drafts=drafts and not host), relay, host)
+        if drafts and not host:  # a draft_model step (its rows are not padded): a prefill that drafts
+            step = spec_step(req_ids, all_spec=False)
+        self._step(sm.NO_PENDING_FUTURE, step, relay, host)
 
     @precondition(lambda self: self.state == sm.REINSTATE)
     @rule(data=st.data(), relay=st.booleans(), cause=st.sampled_from(["same", "set", "prefill", "order"]))
