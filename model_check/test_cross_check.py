@@ -1,8 +1,8 @@
 """The spec and the code cannot drift apart: both sides are derived from what they really do.
 
-- The machine's transitions: TLC's state graphs of MCMachine, MCMachineRelay (the relay off and on)
-  and MCMachineHostDraft (a host-side drafter), projected onto the machine state, have together
-  exactly the edges of `async_machine.TRANSITIONS`.
+- The machine's transitions: TLC's state graphs of MCMachine, MCMachineRelay (the relay off and on),
+  MCMachineHostDraft (a host-side drafter) and MCMachineDeviceDraft (a drafter on the device),
+  projected onto the machine state, have together exactly the edges of `async_machine.TRANSITIONS`.
 - The decision and the row order: the spec's `Decide` and `NextRowOrder` give what the Python
   `decide()` and `next_row_order()` give, on cases TLC checks as ASSUMEs of a generated module.
 - Each path state's plan: TLC evaluates the spec's `Materializes` and `InputSource` for every path
@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import re
 import shutil
@@ -23,8 +24,8 @@ from tlc import SPEC_DIR, TlcResult, manifest_models, run_tlc, tla
 from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.input_batch import next_row_order
 
-# The models whose state graphs make the spec side: the relay off (every design path), on (Relay), and
-# a host-side drafter (HostDraftBreak).
+# The models whose state graphs make the spec side: the relay off (every design path), on (Relay), a
+# host-side drafter (HostDraftBreak) and one on the device (SpecSteady, SpecExit).
 MACHINE_MODELS = [m for m in manifest_models() if m.get("dump") == "dot"]
 _NODE = re.compile(r'^(-?\d+) \[label="[^\n]*?mstate = \\"(\w+)\\"', re.M)
 _EDGE = re.compile(r'^(-?\d+) -> (-?\d+) \[label="(\w+)"', re.M)
@@ -92,7 +93,7 @@ def spec_edges(dot: str) -> set[tuple[str, str, str]]:
 
 
 def test_spec_state_graph_has_exactly_the_transition_tables_edges(model_results):
-    assert len(MACHINE_MODELS) == 3, "the relay off and on, a host-side drafter"
+    assert len(MACHINE_MODELS) == 4, "the relay off and on, a host-side drafter, a drafter on the device"
     spec = set()
     for model in MACHINE_MODELS:
         result = model_results[model["config"]]
@@ -146,6 +147,30 @@ def decide_cases(rng: random.Random) -> list[dict]:
                                     host,
                                 )
                             )
+    # A drafted future (the drafter on the device; host_drafter is tried first, above): (all_decode,
+    # all_spec) one-token rows, rows that verify drafts, a mixture; it fits by its row count, so
+    # (4, 16), four rows verifying drafts, fits, and (3, 16) does not.
+    kinds = ((True, False), (False, True), (False, False))
+    shapes = ((4,), (8,), (3, 16), (4, 16))
+    dtypes = ("torch.int32", "torch.int64")
+    for curr, (all_decode, all_spec), input_shape, input_dtype, relay in itertools.product(
+        currs.values(), kinds, shapes, dtypes, (False, True)
+    ):
+        observations.append(
+            sm.StepObservation(
+                True,
+                base,
+                curr,
+                all_decode,
+                (4,),
+                "torch.int32",
+                input_shape,
+                input_dtype,
+                relay,
+                pending_drafted=True,
+                all_spec=all_spec,
+            )
+        )
     ids = "abcd"
     for _ in range(300):
         prev = tuple(rng.sample(ids, rng.randint(0, 4)))
@@ -159,10 +184,12 @@ def decide_cases(rng: random.Random) -> list[dict]:
                 rng.random() < 0.7,
                 rng.choice([(1,), (2,), (4,)]) if has_pending else (),
                 "torch.int32" if has_pending else "",
-                rng.choice([(1,), (2,), (4,), (2, 8)]),
+                rng.choice([(1,), (2,), (4,), (2, 8), (4, 8)]),
                 rng.choice(["torch.int32", "torch.int32", "torch.int64"]),
                 rng.random() < 0.5,
                 host_drafter=rng.random() < 0.2,
+                pending_drafted=has_pending and rng.random() < 0.4,
+                all_spec=rng.random() < 0.3,
             )
         )
     return [

@@ -99,8 +99,8 @@ def test_every_safety_invariant_is_shown_to_fail_by_some_model(module):
 
 
 # What a witness model may change: how long outputs are, who may be aborted or stop on EOS, whether
-# programs fail, the relay switch, which engine core drives the worker, a host-side drafter. Never a
-# guard: a witness shows what the implementation reaches.
+# programs fail, the relay switch, which engine core drives the worker, a drafter on the host or on
+# the device. Never a guard: a witness shows what the implementation reaches.
 WITNESS_BOUNDS = {
     "MCAsyncScheduling": {
         "MaxTokens",
@@ -110,6 +110,7 @@ WITNESS_BOUNDS = {
         "AsyncRelay",
         "EngineCore",
         "HostDrafter",
+        "DeviceDrafter",
     },
     "MCStructuredOutput": {"MaxTokens", "MayStop"},
     "MCSpecDecode": {"MaxTokens", "Room", "MayStop"},

@@ -28,6 +28,12 @@
 (* - HostDrafter: speculation drafts on the host from each request's whole *)
 (*   history (n-gram), so every step with a pending future materializes   *)
 (*   it first (HostDraftBreak). Tokens per row: SpecDecode.tla's concern.  *)
+(* - DeviceDrafter: speculation drafts on the device (draft_model): every  *)
+(*   program drafts, its future holds each row's last accepted token then  *)
+(*   the drafts. A step of the same rows that all verify drafts takes the  *)
+(*   future as it is (SpecSteady); one whose rows all compute one token    *)
+(*   (speculation off near max_model_len, for good) takes its first column *)
+(*   (SpecExit). The abstract tokens stay one per row per step.            *)
 (*                                                                         *)
 (* Tokens are abstract: Tok(r, k) is the k-th output token of request r.   *)
 (* A row that computes from a wrong input samples a Corrupt token.         *)
@@ -55,13 +61,15 @@ CONSTANTS
     RemapIsSyncFallback,       \* a ReorderRemap step is counted as sync fallback, not async
     BatchQueueBounded,         \* the engine core waits for the oldest output when its queue is full
     RelayByRequestId,          \* the relay's row map finds a row's token by request id, never by row
-    RelayOnlyNewestToken       \* ... and only for a row whose previous step sampled the token it reads
+    RelayOnlyNewestToken,      \* ... and only for a row whose previous step sampled the token it reads
+    ExitReadsLastAccepted      \* SpecExit's rows read the drafted future's first column, never a draft's
 
 ReqSet == {Requests[i] : i \in 1..Len(Requests)}
 Threads == {"main", "output"}
 PathStates == {"NoPendingFuture", "CompositionBreak", "ShapeMismatchRebuild", "ReorderRemap", "Steady", "Relay",
-               "HostDraftBreak"}
-AsyncStates == {"Steady", "Relay"}   \* the paths counted as an async step: no host round trip
+               "HostDraftBreak", "SpecSteady", "SpecExit"}
+\* the paths counted as an async step: no host round trip
+AsyncStates == {"Steady", "Relay", "SpecSteady", "SpecExit"}
 LaunchStates == {"SampleInProgram", "SampleDeferred"}  \* structured output: when a masked step samples
 MachineStates == PathStates \cup LaunchStates \cup {"Idle", "Reinstate"}
 None == ""                  \* an empty row (a hole before condense())
@@ -69,6 +77,7 @@ None == ""                  \* an empty row (a hole before condense())
 Tok(r, k) == <<r, k>>       \* the k-th output token of r, sampled from r's own inputs
 Corrupt(r, k) == <<r, -k>>  \* what a row samples from an input that is not r's previous token
 Poison == <<None, 0>>       \* POISON_TOKEN: a token the host does not have yet
+Draft(r, k) == <<r, k, "draft">>  \* a draft r's drafter proposed after its output k (DeviceDrafter)
 Prompt == <<None, -1>>      \* prompt tokens: always on the host
 
 Range(f) == {f[i] : i \in DOMAIN f}
@@ -108,6 +117,9 @@ NoGrammar == -1  \* a mask row built for no grammar state: its request finished 
 \* Speculative decoding with a drafter that reads the host's token history (method "ngram"). Not a
 \* constant: a model replaces it (<-), so the models without speculation keep their state graphs.
 HostDrafter == FALSE
+\* Speculative decoding with a drafter on the device (method "draft_model"): every step's program
+\* drafts. Not a constant either: a model replaces it (<-), so the other models keep their graphs.
+DeviceDrafter == FALSE
 
 ASSUME /\ Depth = 2
        /\ MaxOf(Buckets) >= MaxSeqs
@@ -138,8 +150,18 @@ NextRowOrder(rs, removed, added) ==
 (* The machine's decision: async_machine.decide(), conditions in table order. *)
 
 CompositionChanged(o) == Range(o.prevReqIds) # Range(o.currReqIds)
-FutureDoesNotFit(o) == ~o.allDecode \/ o.pendingShape # o.inputShape \/ o.pendingDtype # o.inputDtype
+Rows(shape) == IF shape = <<>> THEN <<>> ELSE <<shape[1]>>  \* shape[:1]
+\* A drafted future ([rows, 1 + k] after the tokens) fits a step of its row count whose rows all
+\* verify drafts or all compute one token; a mixture, or a prefill row, does not.
+FutureDoesNotFit(o) ==
+    IF o.pendingDrafted
+    THEN ~(o.allSpec \/ o.allDecode) \/ Rows(o.pendingShape) # Rows(o.inputShape) \/ o.pendingDtype # o.inputDtype
+    ELSE ~o.allDecode \/ o.pendingShape # o.inputShape \/ o.pendingDtype # o.inputDtype
 OrderChanged(o) == o.prevReqIds # o.currReqIds
+\* Same set, order and rows (the rows before caught any change): every row verifies the drafts the
+\* pending program proposed (spec_steady), or every row computes one token (spec_exit).
+VerifiesDrafts(o) == o.pendingDrafted /\ o.allSpec
+LeavesDrafts(o) == o.pendingDrafted /\ o.allDecode
 \* The engine relays and the future cannot be the input as it is (what would otherwise break).
 RelayCovers(o) == o.relay /\ (CompositionChanged(o) \/ FutureDoesNotFit(o) \/ OrderChanged(o))
 
@@ -150,20 +172,24 @@ Decide(o) ==
     ELSE IF CompositionChanged(o) THEN "CompositionBreak"
     ELSE IF FutureDoesNotFit(o) THEN "ShapeMismatchRebuild"
     ELSE IF OrderChanged(o) THEN "ReorderRemap"
+    ELSE IF VerifiesDrafts(o) THEN "SpecSteady"
+    ELSE IF LeavesDrafts(o) THEN "SpecExit"
     ELSE "Steady"
 
 SampledDtype == "int32"     \* the program's output dtype, equal to the input_ids dtype
 \* A decode input is [bucket]; a prefill or mixed input is 2-D. Its sampled tokens are [rows]:
-\* a prefill step is not padded in rows.
-InputShape(n, allDecode) == IF allDecode THEN <<Bucket(n)>> ELSE <<n, 0>>
-OutputShape(n, allDecode) == IF allDecode THEN <<Bucket(n)>> ELSE <<n>>
+\* a prefill step is not padded in rows. With a drafter on the device every input is [rows, L]
+\* (a row's last accepted token, then its drafts), and the future one row per row.
+InputShape(n, allDecode) == IF allDecode /\ ~DeviceDrafter THEN <<Bucket(n)>> ELSE <<n, 0>>
+OutputShape(n, allDecode) == IF allDecode /\ ~DeviceDrafter THEN <<Bucket(n)>> ELSE <<n>>
 
 -----------------------------------------------------------------------------
 VARIABLES
     \* Scheduler (engine core, main thread)
     arrived,       \* how many of Requests have been added
     status,        \* [r -> "absent" | "waiting" | "running" | "finished"]
-    phase,         \* [r -> "prefill" | "decode"]: is the prompt computed (as far as the scheduler knows)
+    phase,         \* [r -> "prefill" | "decode" | "plain"]: is the prompt computed (as far as the scheduler
+                   \* knows); "plain": and speculation (DeviceDrafter) turned off for good
     chunks,        \* [r -> Nat]: prefill chunks scheduled so far
     placeholders,  \* [r -> Nat]: sampled tokens of steps in flight (num_output_placeholders)
     delivered,     \* [r -> Seq(token)]: what the client received
@@ -197,7 +223,7 @@ Token == (ReqSet \X Int) \cup {Poison, Prompt}
 TypeOK ==
     /\ arrived \in 0..Len(Requests)
     /\ status \in [ReqSet -> {"absent", "waiting", "running", "finished"}]
-    /\ phase \in [ReqSet -> {"prefill", "decode"}]
+    /\ phase \in [ReqSet -> {"prefill", "decode", "plain"}]
     /\ chunks \in [ReqSet -> 0..MaxChunks]
     /\ placeholders \in [ReqSet -> Nat]
     /\ \A r \in ReqSet : delivered[r] \in Seq(Token) /\ stopLen[r] \in Nat
@@ -316,7 +342,7 @@ Schedules ==
 (* step: the engine core schedules, the worker observes and decides. One    *)
 (* action per path state (the machine's `step` trigger and its destination). *)
 
-Observation(curr, allDecode) ==
+Observation(curr, allDecode, allSpec) ==
     [hasPending |-> pending # 0,
      prevReqIds |-> IF pending # 0 THEN steps[pending].rows ELSE <<>>,
      currReqIds |-> curr,
@@ -326,7 +352,10 @@ Observation(curr, allDecode) ==
      inputShape |-> InputShape(Len(curr), allDecode),
      inputDtype |-> SampledDtype,
      relay |-> AsyncRelay,
-     hostDrafter |-> HostDrafter]
+     hostDrafter |-> HostDrafter,
+     \* with a device drafter every program drafts: its future's first column is each row's last token
+     pendingDrafted |-> pending # 0 /\ DeviceDrafter,
+     allSpec |-> allSpec]
 
 \* Does the path materialize the pending output before inputs are built on the CPU?
 Materializes(path, allDecode) ==
@@ -338,25 +367,38 @@ Materializes(path, allDecode) ==
 \* the CPU-built ones, the pending future as it is, the future's rows gathered into the new order,
 \* or built on the device from the future by a row map, each unmapped row keeping its CPU-built id.
 \* With Materializes, what async_machine.PLANS declares per path state (model_check checks both agree).
+\* A drafted future's rows are the last accepted token and the drafts: SpecSteady takes them as they
+\* are, SpecExit only the first column (the mutant: the last column, a draft).
 InputSource(path) ==
     CASE path = "Steady" -> "future"
       [] path = "ReorderRemap" -> IF RemapOnReorder THEN "remapped_future" ELSE "future"
       [] path = "Relay" -> "relayed_future"
+      [] path = "SpecSteady" -> "drafted_future"
+      [] path = "SpecExit" -> IF ExitReadsLastAccepted THEN "future_last_accepted" ELSE "future_last_draft"
       [] OTHER -> "cpu"
 
+\* With a device drafter, the speculating decode rows whose speculation may turn off at this step
+\* (the scheduler's room check near max_model_len; any of them, here): then for good.
+SpecOffChoices(scheduled) ==
+    IF DeviceDrafter THEN SUBSET {r \in scheduled : phase[r] = "decode"} ELSE {{}}
+
 \* What the worker makes of one scheduler choice: the row order after update, the observation,
-\* and the path the machine takes. Building the set evaluates every plan completely.
-Plan(sch) ==
+\* and the path the machine takes. Building the set evaluates every plan completely. `off`: the
+\* requests whose speculation turns off now (SpecOffChoices).
+Plan(sch, off) ==
     LET scheduled == Range(sch.order)
         order == NextRowOrder(rows, (finishedIds \cup Released) \cap Range(rows), sch.admitted)
         InStep(r) == r \in scheduled
         curr == SelectSeq(order, InStep)
-        allDecode == \A r \in scheduled : phase[r] = "decode"
+        \* a one-token decode row; with a device drafter, a decode row verifies drafts until it is plain
+        Plain(r) == phase[r] = "plain" \/ r \in off \/ (~DeviceDrafter /\ phase[r] = "decode")
+        allDecode == \A r \in scheduled : Plain(r)
+        allSpec == \A r \in scheduled : phase[r] = "decode" /\ ~Plain(r)
         sampling == scheduled \ sch.partial
-        o == Observation(curr, allDecode)
+        o == Observation(curr, allDecode, allSpec)
     IN [path |-> Decide(o), obs |-> o, order |-> order, curr |-> curr, allDecode |-> allDecode,
         admitted |-> Range(sch.admitted), scheduled |-> scheduled, sampling |-> sampling,
-        decode |-> {r \in scheduled : phase[r] = "decode"},
+        decode |-> {r \in scheduled : phase[r] # "prefill"}, off |-> off,
         \* the output index each row samples (0: a partial prefill chunk samples nothing)
         outIdx |-> [i \in 1..Len(curr) |-> IF curr[i] \in sampling
                                           THEN Len(delivered[curr[i]]) + placeholders[curr[i]] + 1
@@ -366,14 +408,14 @@ Plan(sch) ==
 \* The scheduler choices the worker may see: all of them. (Trace validation overrides it with the
 \* ones whose request set its next step event shows, so that only those are planned.)
 ScheduleChoices == Schedules
-Plans == {Plan(sch) : sch \in ScheduleChoices}
+Plans == UNION {{Plan(sch, off) : off \in SpecOffChoices(Range(sch.order))} : sch \in ScheduleChoices}
 
 \* Hazard: unbounded pipeline. A full batch queue waits for its oldest output (WaitOldest) instead.
 StepReady == pc["main"] = "top" /\ (Len(batchQueue) < Depth \/ ~BatchQueueBounded)
 
 TakePath(p) ==
     /\ status' = Override(status, [r \in p.admitted |-> "running"])
-    /\ phase' = Override(phase, [r \in p.sampling |-> "decode"])
+    /\ phase' = Override(phase, [r \in p.sampling |-> IF phase[r] = "plain" \/ r \in p.off THEN "plain" ELSE "decode"])
     \* p.sampling \subseteq p.scheduled: a sampling request's count restarts, any other scheduled one counts a chunk
     /\ chunks' = Override(chunks, [r \in p.scheduled |-> IF r \in p.sampling THEN 0 ELSE chunks[r] + 1])
     /\ placeholders' = Override(placeholders, [r \in p.sampling |-> placeholders[r] + 1])
@@ -397,6 +439,8 @@ ReorderRemap == StepReady /\ \E p \in Plans : p.path = "ReorderRemap" /\ TakePat
 Steady == StepReady /\ \E p \in Plans : p.path = "Steady" /\ TakePath(p)
 Relay == StepReady /\ \E p \in Plans : p.path = "Relay" /\ TakePath(p)
 HostDraftBreak == StepReady /\ \E p \in Plans : p.path = "HostDraftBreak" /\ TakePath(p)
+SpecSteady == StepReady /\ \E p \in Plans : p.path = "SpecSteady" /\ TakePath(p)
+SpecExit == StepReady /\ \E p \in Plans : p.path = "SpecExit" /\ TakePath(p)
 
 -----------------------------------------------------------------------------
 (* get_output(): the output thread on every output in order, the main thread *)
@@ -530,6 +574,9 @@ BuildMask ==
 
 \* Row j of the previous step's future: the token it sampled, or nothing (Poison).
 FutureRow(prev, j) == IF j \in DOMAIN prev.rows /\ prev.outIdx[j] > 0 THEN prev.result[j] ELSE Poison
+\* A drafted future's row j past its first column: a draft proposed after the token row j sampled.
+FutureDraft(prev, j) ==
+    IF j \in DOMAIN prev.rows /\ prev.outIdx[j] > 0 THEN Draft(prev.rows[j], prev.outIdx[j]) ELSE Poison
 
 \* The input id each row of step c computes on, as the path's plan builds it. (Trace validation
 \* overrides it with the inputs the engine logged, so that the invariants judge the real ones.)
@@ -540,8 +587,11 @@ StepInputs(c, prev) ==
             \* Built on the device: where(map >= 0, future[map], host ids).
             IF InputSource(c.path) = "relayed_future" /\ relay[i] > 0 THEN FutureRow(prev, relay[i])
             ELSE IF r \notin c.decode THEN Prompt
-            \* Device-to-device: the future is the input.
-            ELSE IF InputSource(c.path) = "future" THEN FutureRow(prev, i)
+            \* Device-to-device: the future is the input (a drafted one: each row's last accepted
+            \* token, then its drafts, which the abstract tokens leave out).
+            ELSE IF InputSource(c.path) \in {"future", "drafted_future", "future_last_accepted"} THEN FutureRow(prev, i)
+            \* Hazard: a draft as input. A one-token row after a drafting step reads a draft's column.
+            ELSE IF InputSource(c.path) = "future_last_draft" THEN FutureDraft(prev, i)
             \* Hazard: token ownership after condense(). Row i must get curr[i]'s token, not prev[i]'s.
             ELSE IF InputSource(c.path) = "remapped_future" THEN FutureRow(prev, IndexOf(prev.rows, r))
             \* CPU-built: the host copy of r's previous output (POISON_TOKEN when not there yet).
@@ -673,7 +723,7 @@ Next ==
     \/ NoPendingFuture \/ CompositionBreak \/ ShapeMismatchRebuild \/ ReorderRemap \/ Steady \/ Relay  \* step
     \/ SampleInProgram \/ SampleDeferred                                                              \* launch
     \/ BuildMask
-    \/ HostDraftBreak                                                                                  \* step
+    \/ HostDraftBreak \/ SpecSteady \/ SpecExit                                                         \* step
     \/ Reinstate                                                                                       \* reinstate
     \/ Drain                                                                                           \* drain
     \/ OutputThread
@@ -689,7 +739,7 @@ Spec == Init /\ [][Next]_vars /\ WF_vars(OutputThread) /\ WF_vars(DeviceRun)
 \* and dying (after a failed program, the only turn left).
 EngineLoop ==
     \/ NoPendingFuture \/ CompositionBreak \/ ShapeMismatchRebuild \/ ReorderRemap \/ Steady \/ Relay
-    \/ SampleInProgram \/ SampleDeferred \/ BuildMask \/ HostDraftBreak
+    \/ SampleInProgram \/ SampleDeferred \/ BuildMask \/ HostDraftBreak \/ SpecSteady \/ SpecExit
     \/ Reinstate \/ WaitOldest \/ AdvanceStep \/ Drain
 \* ENABLED EngineLoop, written out (TLC 2.15 fails evaluating ENABLED over Plans): every plan takes
 \* one of the path actions, so a step is possible exactly when the scheduler has a choice.
@@ -773,11 +823,16 @@ HostDraftStepsUnreached ==
      /\ Range(Paths) = {"NoPendingFuture", "HostDraftBreak"}
      /\ Adjacent("HostDraftBreak", "HostDraftBreak")
      /\ \E r \in ReqSet \ MayAbort : StoppedEarly(r)
+\* With a device drafter (draft_model): a SpecSteady step, later a SpecExit one (speculation turned
+\* off for every row of the same set).
+SpecSteadyThenExitUnreached ==
+    ~/\ DeviceDrafter
+     /\ \E s, t \in DOMAIN Paths : s < t /\ Paths[s] = "SpecSteady" /\ Paths[t] = "SpecExit"
 \* Every path state the relay switch allows (with it on, Relay takes every fallback's place), an
 \* abort and an EOS, in one behaviour.
 EveryPathStateUnreached ==
-    ~/\ Range(Paths) = IF AsyncRelay THEN AsyncStates \cup {"NoPendingFuture"}
-                       ELSE PathStates \ {"Relay", "HostDraftBreak"}
+    ~/\ Range(Paths) = IF AsyncRelay THEN {"NoPendingFuture", "Relay", "Steady"}
+                       ELSE PathStates \ {"Relay", "HostDraftBreak", "SpecSteady", "SpecExit"}
      /\ \E r \in MayAbort : StoppedEarly(r)
      /\ \E r \in ReqSet \ MayAbort : StoppedEarly(r)
 

@@ -31,6 +31,11 @@ MCOutputOnEngineThread == TRUE
 \* Speculation with a host-side drafter (n-gram): HostDraftBreak takes every step with a pending future.
 MCHostDrafter == TRUE
 
+\* Speculation with a drafter on the device (draft_model): every program drafts; SpecSteady and SpecExit.
+MCDeviceDrafter == TRUE
+MCDeviceDraftMaxTokens == [r \in {"a", "b"} |-> IF r = "a" THEN 2 ELSE 3]
+MCSpecWitnessMaxTokens == [r \in {"a", "b", "c"} |-> IF r = "c" THEN 1 ELSE 3]
+
 \* TLC must find nothing to start from; used by the generated cross-check modules (ASSUMEs only).
 NoInit == Init /\ FALSE
 =============================================================================

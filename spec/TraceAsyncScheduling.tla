@@ -124,6 +124,8 @@ StepEvent(e) ==
          [] e.state = "ReorderRemap" -> ReorderRemap
          [] e.state = "Steady" -> Steady
          [] e.state = "Relay" -> Relay
+         [] e.state = "SpecSteady" -> SpecSteady
+         [] e.state = "SpecExit" -> SpecExit
     /\ cur'.curr = e.req_ids
     /\ cur'.admitted = Range(e.new)
     /\ pathCounts' = IF e.state \in AsyncStates THEN <<pathCounts[1] + 1, pathCounts[2]>>
@@ -284,7 +286,7 @@ RecentTypeOK ==
     /\ arrived \in 0..Len(Requests)
     /\ \A r \in Hot :
         /\ status[r] \in {"absent", "waiting", "running", "finished"}
-        /\ phase[r] \in {"prefill", "decode"}
+        /\ phase[r] \in {"prefill", "decode", "plain"}
         /\ chunks[r] \in 0..MaxChunks
         /\ placeholders[r] \in Nat
         /\ delivered[r] \in Seq(Token) /\ stopLen[r] \in Nat
