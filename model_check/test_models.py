@@ -113,7 +113,7 @@ WITNESS_BOUNDS = {
         "DeviceDrafter",
     },
     "MCStructuredOutput": {"MaxTokens", "MayStop"},
-    "MCSpecDecode": {"MaxTokens", "Room", "MayStop"},
+    "MCSpecDecode": {"MaxTokens", "Room", "MayStop", "MayAbort", "Late"},
 }
 
 

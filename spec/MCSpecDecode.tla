@@ -8,4 +8,7 @@ EXTENDS SpecDecode
 MCRequests == <<"a", "b">>
 MCMaxTokens == [r \in {"a", "b"} |-> IF r = "a" THEN 3 ELSE 4]
 MCRoom == [r \in {"a", "b"} |-> IF r = "a" THEN 6 ELSE 5]
+\* A client may abort a; b arrives after the first step (it may be admitted at any turn of the loop).
+MCMayAbort == {"a"}
+MCLate == {"b"}
 =============================================================================

@@ -15,8 +15,13 @@
 (*   reconciles them with the accepted count when it applies the output;   *)
 (*   a stop or max_tokens inside an accepted run ends the request there.   *)
 (*                                                                         *)
+(* - A client may abort a request (MayAbort) at the top of the engine loop *)
+(*   with its rows in flight, and a request may arrive after the first     *)
+(*   step (Late): it is admitted at the top of the loop, its first row a   *)
+(*   prefill beside the others' spec rows.                                 *)
+(*                                                                         *)
 (* Taken as given (AsyncScheduling.tla): row maps, breaks, locks,          *)
-(* failures, aborts. A row computes the right tokens exactly when its      *)
+(* failures. A row computes the right tokens exactly when its              *)
 (* first input is its request's last accepted token; which drafts are      *)
 (* accepted is the device's choice (any a in 0..K).                        *)
 (***************************************************************************)
@@ -37,6 +42,10 @@ CONSTANTS
 
 ReqSet == {Requests[i] : i \in 1..Len(Requests)}
 Depth == 2
+\* Requests a client may abort, and requests that arrive after the first step. Not constants: a
+\* model replaces them (<-), so the models without aborts or late arrivals keep their graphs.
+MayAbort == {}
+Late == {}
 
 Tok(r, k) == <<r, k>>            \* r's k-th output (k = 0: the prompt's last token), computed from the right input
 Bad(r, k) == <<r, -k>>           \* what a row computes for output k from a wrong input
@@ -51,12 +60,12 @@ ASSUME K \in Nat \ {0} /\ MayStop \subseteq ReqSet
 ASSUME \A r \in ReqSet : 1 <= MaxTokens[r] /\ MaxTokens[r] <= Room[r]
 
 VARIABLES
-    status,        \* [r -> "running" | "finished"]
+    status,        \* [r -> "waiting" | "running" | "finished"]: "waiting" until a late request is admitted
     delivered,     \* [r -> Seq(token)]: what the client received
     placeholders,  \* [r -> Int]: the scheduler's placeholders (num_output_placeholders)
     computed,      \* [r -> Int]: the scheduler's optimistic count of computed outputs
     specOff,       \* [r -> BOOLEAN]: speculation turned off for r (never back on)
-    stopLen,       \* [r -> Nat]: outputs r had when it stopped (MaxTokens until then)
+    stopLen,       \* [r -> Nat]: outputs r had when it stopped or was aborted (MaxTokens until then)
     devN,          \* [r -> Nat]: the device's count of r's accepted outputs (positions, KV by slot)
     devDrafted,    \* [r -> BOOLEAN]: r's future row holds drafts after its last accepted token
     steps,         \* Seq of step records, by step id
@@ -70,7 +79,7 @@ vars == <<status, delivered, placeholders, computed, specOff, stopLen, devN, dev
 Token == (ReqSet \X Int) \cup (ReqSet \X Int \X {"draft"})
 
 TypeOK ==
-    /\ status \in [ReqSet -> {"running", "finished"}]
+    /\ status \in [ReqSet -> {"waiting", "running", "finished"}]
     /\ \A r \in ReqSet : delivered[r] \in Seq(Token)
     /\ placeholders \in [ReqSet -> Int] /\ computed \in [ReqSet -> Int]
     /\ specOff \in [ReqSet -> BOOLEAN] /\ devDrafted \in [ReqSet -> BOOLEAN]
@@ -83,7 +92,7 @@ TypeOK ==
     /\ pc \in {"top", "wait"}
 
 Init ==
-    /\ status = [r \in ReqSet |-> "running"]
+    /\ status = [r \in ReqSet |-> IF r \in Late THEN "waiting" ELSE "running"]
     /\ delivered = [r \in ReqSet |-> <<>>]
     /\ placeholders = [r \in ReqSet |-> 0]
     /\ computed = [r \in ReqSet |-> 0]
@@ -209,6 +218,27 @@ AdvanceStep ==
     /\ UNCHANGED <<specOff, devN, devDrafted, outQueue>>
 
 \* The async output thread: to_host of the oldest launched step.
+\* A late request is admitted at the top of the engine loop: its first row (a prefill) is in the
+\* next step, beside whatever the others have in flight.
+Admit(r) ==
+    /\ pc = "top"
+    /\ status[r] = "waiting"
+    /\ status' = [status EXCEPT ![r] = "running"]
+    /\ UNCHANGED <<delivered, placeholders, computed, specOff, stopLen, devN, devDrafted, steps, batchQueue,
+                   outQueue, pc>>
+
+\* A client's abort, applied at the top of the engine loop (our engine core): the request finishes
+\* with the tokens it has; its rows in flight still run, and their tokens are discarded when the
+\* engine core applies them (AdvanceStep delivers only to running requests), their placeholders
+\* reconciled as any row's.
+Abort(r) ==
+    /\ pc = "top"
+    /\ r \in MayAbort
+    /\ status[r] \in {"waiting", "running"}
+    /\ status' = [status EXCEPT ![r] = "finished"]
+    /\ stopLen' = [stopLen EXCEPT ![r] = Len(delivered[r])]
+    /\ UNCHANGED <<delivered, placeholders, computed, specOff, devN, devDrafted, steps, batchQueue, outQueue, pc>>
+
 Materialize ==
     /\ outQueue # <<>>
     /\ steps' = [steps EXCEPT ![Head(outQueue)].mat = @ + 1]
@@ -221,7 +251,7 @@ Terminated ==
 
 Done == Terminated /\ UNCHANGED vars  \* keeps TLC from calling a finished run a deadlock
 
-Next == Launch \/ WaitOldest \/ AdvanceStep \/ Materialize \/ Done
+Next == Launch \/ WaitOldest \/ AdvanceStep \/ Materialize \/ (\E r \in ReqSet : Admit(r) \/ Abort(r)) \/ Done
 
 Spec == Init /\ [][Next]_vars
 
@@ -282,5 +312,16 @@ RejectedBehindSpecUnreached ==
         /\ \E i \in DOMAIN steps[s].rows, j \in DOMAIN steps[t].rows :
             /\ steps[s].rows[i] = steps[t].rows[j]
             /\ steps[s].kind[i] = "spec" /\ steps[s].acc[i] < K /\ steps[t].kind[j] = "spec"
+
+\* An abort of a request whose rows are in flight (a spec row among them), and a late request's
+\* prefill launched while another request's spec row is in flight.
+AbortAndLateUnreached ==
+    ~/\ \E r \in MayAbort :
+         /\ status[r] = "finished" /\ stopLen[r] < MaxTokens[r]
+         /\ \E s \in InFlightSteps(r) : steps[s].kind[RowOf(steps[s], r)] = "spec"
+     /\ \E r \in Late, s, t \in 1..Len(steps) :
+         /\ s < t /\ t \in Range(batchQueue)
+         /\ r \in Range(steps[t].rows) /\ steps[t].kind[RowOf(steps[t], r)] = "prefill"
+         /\ \E i \in DOMAIN steps[s].rows : steps[s].rows[i] # r /\ steps[s].kind[i] = "spec" /\ s \in Range(batchQueue)
 
 =============================================================================
