@@ -88,8 +88,9 @@ def test_recorded_traces_cover_every_path_both_threads_and_every_finish(recorded
         paths.update(e["state"] for e in events if e["event"] == "step")
         threads.update(e["thread"] for e in events if e["event"] == "Materialize")
         finishes.update(finish.values())
-    # HostDraftBreak is n-gram speculation's row: its traces are test_spec_trace_validation's.
-    assert set(paths) == set(sm.PATH_STATES) - {sm.HOST_DRAFT_BREAK}, paths
+    # HostDraftBreak, SpecSteady and SpecExit are speculation's rows: its traces are
+    # test_spec_trace_validation's.
+    assert set(paths) == set(sm.PATH_STATES) - {sm.HOST_DRAFT_BREAK, sm.SPEC_STEADY, sm.SPEC_EXIT}, paths
     engine, output = engine_threads(events)
     assert threads[engine] and threads[output], threads
     assert finishes["stop"] and finishes["length"] and finishes["abort"], finishes

@@ -486,7 +486,7 @@ def compact(states: list[Record]) -> tuple[list[Record], list[str], tuple[int, i
     paths = [step["path"] for step in dropped[0]]
     if any([step["path"] for step in d] != paths for d in dropped):
         raise ValueError("the parts' end states disagree on a step's path")  # the trace pins every path
-    n_async = sum(path in ("Steady", "Relay") for path in paths)
+    n_async = sum(path in ("Steady", "Relay", "SpecSteady", "SpecExit") for path in paths)  # AsyncStates
     offsets = (lo - 1, n_async, len(paths) - n_async)
 
     def named(st: Record) -> set[str]:
