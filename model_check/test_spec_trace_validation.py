@@ -4,6 +4,10 @@ One small workload, async, on the emulated device process (tiny-llama's random w
 copied from the prompts are accepted in part, often rejected): greedy and sampled requests, one that
 reaches `max_model_len` (its speculation turns off for good). Its `--trace` is replayed by TLC with
 `TraceSpecDecode` (model_check/spec_trace_check.py).
+
+A run with a drafter on the device (draft_model) takes the machine's SpecSteady and SpecExit rows:
+its trace is replayed against AsyncScheduling.tla (`TraceAsyncScheduling`, model_check/trace_check.py,
+one abstract token per row) and must be accepted; with a SpecExit row reading a draft's column, not.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from support.processes import config_flags, generate_argv
 from trace_check import check_trace, read_trace
 
 from neuron_async_sm import LLM, SamplingParams
+from neuron_async_sm.bench.checkpoint import write_checkpoint, write_noisy_copy
 from neuron_async_sm.worker import async_machine as sm
 
 SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 3}'
@@ -138,3 +143,66 @@ def test_trace_of_an_engine_that_keeps_rejected_drafts_in_its_output_is_rejected
     verdict = check_spec_trace(read_trace(Path(trace)))
     print(f"mutant: {verdict.describe()}")
     assert verdict.violated_invariant in ("NextInputInv", "AcceptedOnceInv"), verdict.describe()
+
+
+# -- a drafter on the device: the machine's SpecSteady and SpecExit rows, against AsyncScheduling.tla --
+
+DRAFT_ENGINE = dict(
+    dtype="float64",
+    max_num_seqs=4,
+    max_model_len=40,
+    max_num_batched_tokens=32,
+    prefill_buckets=(8, 16, 32),
+    decode_buckets=(1, 2, 4),
+)
+SAME = [5, 17, 3, 99, 42, 8, 11, 6]
+# Three requests of one prompt advance in lockstep and turn speculation off at the same step (SpecExit
+# after it); one stops by max_tokens inside a run (a composition change), and one waits for its slot,
+# is admitted late, and stops inside a run with its next row in flight (discarded).
+DRAFT_WORKLOAD = [(SAME, 100), (SAME, 100), (SAME, 100), ([7, 300, 1], 6), ([64, 2, 9, 9, 13], 5)]
+
+
+@pytest.fixture(scope="module")
+def drafted(tlc_available, tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("draft-model-trace")
+    target = write_checkpoint(root / "target", layer_scale=0.02)
+    draft = write_noisy_copy(target, root / "draft", 0.15)  # about six drafts in ten accepted
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    path = root / "draft.ndjson"
+    with LLM(str(target), async_scheduling=True, speculative_config=spec, trace_path=str(path), **DRAFT_ENGINE) as llm:
+        for i, (prompt, max_tokens) in enumerate(DRAFT_WORKLOAD):
+            llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), f"r{i}")
+        while llm.has_unfinished_requests():
+            llm.step()
+    return read_trace(path)
+
+
+def test_trace_of_a_draft_model_run_is_a_behaviour_of_async_scheduling(drafted):
+    """Not vacuous: SpecSteady and SpecExit steps, CPU-built rows after a composition change (their
+    ids at the real position of each row's last accepted token), runs that reject drafts, and a
+    request whose row in flight is discarded after its stop."""
+    steps = Counter(e["state"] for e in drafted if e["event"] == "step")
+    assert steps[sm.SPEC_STEADY] and steps[sm.SPEC_EXIT] and steps[sm.COMPOSITION_BREAK], steps
+    hosts = [x for e in drafted if e["event"] == "reinstate" for x in e["inputs"] if x[0] == "host"]
+    runs = [len(run) for e in drafted if e["event"] == "Materialize" for run in e["runs"]]
+    assert hosts and 1 < max(runs) and min(runs) == 1, (hosts, Counter(runs))
+    finished = {r: e["step"] for e in drafted if e["event"] == "AdvanceStep" for r, _ in e["finished"]}
+    late = [e["step"] for e in drafted if e["event"] == "Materialize" for r in e["req_ids"] if e["step"] > finished[r]]
+    assert late, finished
+    verdict = check_trace(drafted)
+    print(f"draft_model run: {verdict.describe()}")
+    assert verdict.accepted, verdict.describe()
+
+
+def test_a_draft_model_trace_whose_spec_exit_row_reads_a_draft_fails_token_ownership(drafted):
+    """A SpecExit row that read next_input's last column, a draft, instead of its first (the production
+    runner's garbage token; the spec's MCExitReadsDraft) computes on another token than its own."""
+    exits = {e["step"] for e in drafted if e["event"] == "step" and e["state"] == sm.SPEC_EXIT}
+    i = next(i for i, e in enumerate(drafted) if e["event"] == "reinstate" and e["step"] in exits)
+    wrong = [dict(e) for e in drafted]
+    wrong[i]["inputs"] = [list(x) for x in wrong[i]["inputs"]]
+    wrong[i]["inputs"][0] = [*wrong[i]["inputs"][0], 3]  # ["future", row, column 3]: the last draft
+    verdict = check_trace(wrong)
+    print(verdict.describe())
+    assert verdict.violated_invariant == "TokenOwnershipInv", verdict.describe()
+    assert verdict.rejected_event == wrong[i], verdict.describe()

@@ -142,11 +142,13 @@ def stale_masks(events: Iterable[dict]) -> list[str]:
 
 
 def _input(row: list) -> dict:
-    """One row's logged input as a record: prompt, a row of the pending future (1-based), or host."""
+    """One row's logged input as a record: prompt, a row of the pending future (1-based; of a drafted
+    future, the column it reads: 0 the row's last accepted token, > 0 a draft), or host."""
     kind = row[0]
     return {
         "src": kind,
         "row": row[1] + 1 if kind == "future" else 0,
+        "col": row[2] if kind == "future" and len(row) > 2 else 0,
         "tok": row[1] if kind == "host" else 0,
         "pos": row[2] if kind == "host" else 0,
     }
@@ -196,6 +198,7 @@ def trace_records(events: Iterable[dict], threads: tuple[str, str] = ("MainThrea
                 "new": [current[r] for r in new],
                 "max_tokens": list(e.get("max_tokens", [])) if new else [],
                 "source": e["source"] if machine else "",
+                "drafts": list(e.get("drafts", [])) if kind == "step" else [],  # per row, reserved (speculation)
                 "state": e["state"] if machine else "",
                 "sampled": [p is not None for p in e["positions"]] if materialize else [],
                 "count": e["count"] if materialize else 0,
@@ -237,6 +240,39 @@ def sampled_values(events: list[dict], records: list[dict]) -> tuple[dict[str, i
     return prompt_lens, values
 
 
+def device_drafter(events: list[dict]) -> bool:
+    """A speculative run whose drafter runs on the device (draft_model): its steps never take
+    HostDraftBreak, n-gram's row (whose runs are SpecDecode.tla's to check: spec_trace_check.py)."""
+    config = trace_config(events)
+    if "num_speculative_tokens" not in config:
+        return False
+    if any(e["event"] == "step" and e["state"] == "HostDraftBreak" for e in events):
+        raise ValueError("the trace of a speculative run: check it with model_check/spec_trace_check.py")
+    return True
+
+
+def drafted_values(
+    events: list[dict], records: list[dict]
+) -> tuple[dict[str, int], dict[str, list[int]], dict[str, list[int]], dict[str, int]]:
+    """A device drafter's run, as the spec sees it: each row gives one abstract token (Tok(r, k) is
+    r's k-th row), the real ones its run of 1 + a. Per request its prompt length, its real token
+    values by output index (its rows' runs in order), the real output index of the last accepted
+    token each row k computes on (its run's start: a CPU-built id must be that token, at that
+    position), and its rows (the spec's max_tokens: the last one ends the request, or a stop before)."""
+    prompt_lens: dict[str, int] = {}
+    runs: dict[str, list[list[int]]] = {}
+    for e, r in zip(events, records, strict=True):
+        if e["event"] == "step":
+            prompt_lens.update(zip(r["new"], e.get("prompt_lens", []), strict=False))
+        elif e["event"] == "Materialize" and e["ok"] and e["count"] == 1:
+            for name, position, run in zip(r["req_ids"], e["positions"], e["runs"], strict=True):
+                if position is not None:
+                    runs.setdefault(name, []).append(list(run))
+    values = {name: [t for run in rs for t in run] for name, rs in runs.items()}
+    starts = {name: [sum(len(run) for run in rs[:k]) for k in range(len(rs))] for name, rs in runs.items()}
+    return prompt_lens, values, starts, {name: len(rs) for name, rs in runs.items()}
+
+
 PART_EVENTS = 750  # events per TLC run: a longer trace is checked in parts, each from its predecessor's end
 DEPTH = 2  # the spec's Depth: a part keeps the last Depth + 1 steps, and any older step still in flight
 
@@ -249,15 +285,20 @@ class Trace:
     threads: tuple[str, str]
     events: list[dict]  # logged_events(), as recorded
     records: list[dict]  # trace_records(), one per event
-    limits: dict[str, int]  # request name -> max_tokens
+    limits: dict[str, int]  # request name -> max_tokens (a device drafter's run: its rows)
     prompt_lens: dict[str, int]
     values: dict[str, list[int]]  # request name -> token values by output index
+    drafter: bool = False  # a device drafter's run (draft_model): one abstract token per row
+    run_starts: dict[str, list[int]] | None = None  # device drafter: per row, its run's real output index
 
     @classmethod
     def of(cls, raw: list[dict]) -> Trace:
         config, threads = trace_config(raw), engine_threads(raw)
         events = logged_events(raw)
         records = trace_records(events, threads)
+        if device_drafter(raw):
+            prompt_lens, values, starts, limits = drafted_values(events, records)
+            return cls(config, threads, events, records, limits, prompt_lens, values, True, starts)
         prompt_lens, values = sampled_values(events, records)
         limits: dict[str, int] = {}
         for r in records:
@@ -329,6 +370,8 @@ def trace_log_module(
         f"TraceMaxTokens == {function(trace.limits)}",
         f"TracePromptLen == {function(trace.prompt_lens)}",
         f"TraceOut == {function(trace.values, [])}",  # per request: token values by output index
+        f"TraceDeviceDrafter == {tla(trace.drafter)}",
+        f"TraceRunStart == {function(trace.run_starts or {}, [])}",  # device drafter: per row k, its run's start
         f"TracePoison == {POISON_TOKEN}",
         f"TraceEngineThread == {tla(threads[0])}",
         f"TraceAdmittedAt == {function(admitted_at)}",
@@ -536,9 +579,7 @@ def check_trace(events: list[dict], *, timeout_s: float = 300, part_events: int 
     states its predecessor ended in: each run's state then stays as small as the part, not the
     trace so far (the time is linear in the trace's length).
     """
-    if "num_speculative_tokens" in trace_config(events):  # rows of many tokens: SpecDecode.tla's concern
-        raise ValueError("the trace of a speculative run: check it with model_check/spec_trace_check.py")
-    trace = Trace.of(events)
+    trace = Trace.of(events)  # n-gram's runs are refused: SpecDecode.tla's concern
     order_of = {name: i for i, name in enumerate(r for rec in trace.records for r in rec["new"])}
     start, carried, states, offsets = 0, [], None, (0, 0, 0)
     elapsed, distinct = 0.0, 0

@@ -42,6 +42,7 @@ OnceAsyncRelay == TraceAsyncRelay
 OnceEngineCore == TraceEngineCore
 OnceOutputOnEngineThread == TraceOutputOnEngineThread
 OnceConstrained == TraceConstrained
+OnceDeviceDrafter == TraceDeviceDrafter
 
 traceVars == <<vars, l, engineCounts, pathCounts>>
 
@@ -75,18 +76,22 @@ NextIs(names) == l <= Len(TraceEvents) /\ Ev.event \in names
 \* Each row's input as the engine built it. A CPU-built id stands for the host's token at the row's
 \* previous position only when it is the value materialized for this request at that position;
 \* otherwise it is some other token (a wrong owner or position), and TokenOwnershipInv fails.
+\* With a drafter on the device a row's abstract token k stands for its run: the token it computes
+\* on is the real output TraceRunStart[r][k] (its request's last accepted one), and a drafted
+\* future's row is read at a column (0: that token; more: a draft).
 TraceStepInputs(c, prev) ==
     LET In(i) ==
             LET x == Ev.inputs[i]
                 r == c.curr[i]
                 k == c.outIdx[i]
+                m == IF TraceDeviceDrafter THEN TraceRunStart[r][k] ELSE k - 1  \* the real output index
             IN CASE x.src = "prompt" -> IF r \in c.decode THEN Tok(r, 0) ELSE Prompt
-                 [] x.src = "future" -> FutureRow(prev, x.row)
+                 [] x.src = "future" -> IF x.col = 0 THEN FutureRow(prev, x.row) ELSE FutureDraft(prev, x.row)
                  [] OTHER ->  \* "host"
                     IF x.tok = TracePoison THEN Poison
-                    ELSE IF /\ x.pos = TracePromptLen[r] + k - 2
-                            /\ k - 1 \in DOMAIN TraceOut[r]
-                            /\ TraceOut[r][k - 1] = x.tok
+                    ELSE IF /\ x.pos = TracePromptLen[r] + m - 1
+                            /\ m \in DOMAIN TraceOut[r]
+                            /\ TraceOut[r][m] = x.tok
                          THEN HostTok(r, k - 1)
                          ELSE Corrupt(r, k - 1)
     IN [i \in DOMAIN c.curr |-> IF i <= Len(Ev.inputs) THEN In(i) ELSE Poison]
@@ -94,8 +99,18 @@ TraceStepInputs(c, prev) ==
 \* The engine core hands a token to exactly the requests it logged one for.
 TraceDelivers(st, i) == st.rows[i] \in Range(Ev.delivered)
 
-\* EOS or a stop token: the requests the engine logged as finished with reason "stop".
-TraceMayStop == IF NextIs({"AdvanceStep"}) THEN Range(Ev.stopped) ELSE {}
+\* EOS or a stop token: the requests the engine logged as finished with reason "stop". With a drafter
+\* on the device, any finish (a stop or max_tokens inside a run, whose row is not its request's last
+\* when a row in flight is discarded): MaxTokens counts the request's rows.
+TraceMayStop ==
+    IF ~NextIs({"AdvanceStep"}) THEN {}
+    ELSE IF TraceDeviceDrafter THEN Range(Ev.finished) ELSE Range(Ev.stopped)
+
+\* With a drafter on the device, the decode rows whose speculation turns off at the next step: those
+\* the scheduler reserved no drafts for (pruning and the trace's fact: one choice).
+TraceSpecOffChoices(scheduled) ==
+    IF ~TraceDeviceDrafter \/ ~NextIs({"step"}) THEN {{}}
+    ELSE {{r \in scheduled : phase[r] = "decode" /\ Ev.drafts[IndexOf(Ev.req_ids, r)] = 0}}
 
 \* The grammar state each masked row's mask came from, as the engine logged it (its `mask` event);
 \* a masked request the event leaves out had finished: no grammar row.
