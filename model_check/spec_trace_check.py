@@ -9,7 +9,10 @@ the drafts the scheduler reserved (`step` event), the draft ids verified and eac
 (`reinstate`), each row's run (`Materialize`) and what each request got (`AdvanceStep`). A row's
 accepted count is the run's longest prefix equal to its drafts (a recovered token never equals the
 draft it replaces); tokens past the run's 1 + a are rejected drafts in the output, which
-`AcceptedOnceInv` rejects.
+`AcceptedOnceInv` rejects. A row fed from a drafted future (draft_model's SpecSteady and SpecExit)
+has no draft ids on the host (`proposed` null): its run's tokens before the last are the drafts it
+accepted, and its input is the pending step's row of its own request (column 0: its last accepted
+token). Requests admitted after the first step are the spec's `Late` ones.
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ SPEC_MODULES = ("SpecDecode.tla", "TraceSpecDecode.tla", "TraceSpecDecode.cfg")
 UNMODELLED = ("Abort", "drain", "launch", "mask")
 
 
-def accepted(drafts: list[int], run: list[int]) -> int:
+def accepted(drafts: list[int] | None, run: list[int]) -> int:
     """How many of a row's drafts its run accepted: the longest prefix of the run equal to them (the
-    run's last token is never a draft it accepted)."""
+    run's last token is never a draft it accepted). Drafts that stayed on the device (None): the run
+    is cut to its accepted ones on the device, so all but its last token."""
+    if drafts is None:
+        return len(run) - 1
     a = 0
     while a < min(len(drafts), len(run) - 1) and run[a] == drafts[a]:
         a += 1
@@ -49,20 +55,24 @@ def spec_records(events: list[dict]) -> tuple[list[dict], dict]:
                 raise ValueError(f"step {e['step']} failed: failures are not modelled by SpecDecode.tla")
             runs.setdefault(e["step"], e["runs"])
     requests: list[str] = []
+    late: list[str] = []  # admitted after the first step
+    admits: dict[int, list[str]] = {}  # step -> requests it admits
     prompt_lens: dict[str, int] = {}
     limits: dict[str, int] = {}
     drafts: dict[int, list[int]] = {}  # step -> drafts reserved per row
     out: dict[str, list[int]] = {}  # request -> its token values by output index (from 1)
     records = []
-    blank = {"req_ids": [], "drafts": [], "inputs": [], "acc": [], "extra": [], "delivered": [], "counts": []}
+    blank = {"req_ids": [], "new": [], "drafts": [], "inputs": [], "acc": [], "extra": []}
+    blank |= {"delivered": [], "counts": []}
     for e in events:
         kind = e["event"]
         if kind in UNMODELLED:
             raise ValueError(f"event {kind!r} (seq {e.get('seq')}): not modelled by SpecDecode.tla")
         if kind == "step":
-            if e["new"] and requests:
-                raise ValueError(f"step {e['step']} admits {e['new']}: SpecDecode.tla admits every request at once")
+            if requests:
+                late += e["new"]
             requests += e["new"]
+            admits[e["step"]] = e["new"]
             prompt_lens.update(zip(e["new"], e["prompt_lens"], strict=True))
             limits.update(zip(e["new"], e["max_tokens"], strict=True))
             drafts[e["step"]] = e["drafts"]
@@ -71,13 +81,22 @@ def spec_records(events: list[dict]) -> tuple[list[dict], dict]:
             acc = [accepted(d, run) for d, run in zip(e["proposed"], runs[step], strict=True)]
             inputs = []
             for row in e["inputs"]:
-                if row[0] not in ("prompt", "host"):
-                    raise ValueError(f"step {step}: input {row} (a speculative step's inputs are built on the host)")
-                host = row[0] == "host"
-                inputs.append({"src": row[0], "tok": row[1] if host else 0, "pos": row[2] if host else 0})
+                if row[0] not in ("prompt", "host", "future"):
+                    raise ValueError(f"step {step}: input {row} (not a prompt, a host-built id or a future's row)")
+                host, future = row[0] == "host", row[0] == "future"
+                inputs.append(
+                    {
+                        "src": row[0],
+                        "tok": row[1] if host else 0,
+                        "pos": row[2] if host else 0,
+                        "row": row[1] + 1 if future else 0,  # the pending step's row (1-based)
+                        "col": row[2] if future and len(row) > 2 else 0,  # 0: its last accepted token
+                    }
+                )
             extra = [len(run) - 1 - a for run, a in zip(runs[step], acc, strict=True)]
             records.append(
                 {**blank, "event": "Launch", "step": step, "req_ids": rows, "drafts": drafts[step], "inputs": inputs}
+                | {"new": admits[step]}
                 | {"acc": acc, "extra": extra}
             )
             for req_id, run, a in zip(rows, runs[step], acc, strict=True):
@@ -94,6 +113,7 @@ def spec_records(events: list[dict]) -> tuple[list[dict], dict]:
         r.setdefault("finished", [])
     constants = {
         "requests": requests,
+        "late": late,
         "k": config["num_speculative_tokens"],
         "max_tokens": limits,
         "room": {r: config["max_model_len"] - prompt_lens[r] for r in requests},
@@ -116,6 +136,7 @@ def trace_log_module(records: list[dict], constants: dict) -> str:
         "EXTENDS Integers, Sequences, TLC",
         f"TraceRequests == {tla(requests)}",
         f"TraceReqSet == {tla(set(requests))}",
+        f"TraceLate == {tla(set(constants['late']))}",
         f"TraceK == {constants['k']}",
         f"TraceMaxTokens == {function(constants['max_tokens'])}",
         f"TraceRoom == {function(constants['room'])}",

@@ -7,7 +7,8 @@ reaches `max_model_len` (its speculation turns off for good). Its `--trace` is r
 
 A run with a drafter on the device (draft_model) takes the machine's SpecSteady and SpecExit rows:
 its trace is replayed against AsyncScheduling.tla (`TraceAsyncScheduling`, model_check/trace_check.py,
-one abstract token per row) and must be accepted; with a SpecExit row reading a draft's column, not.
+one abstract token per row) and against SpecDecode.tla (its runs; a late admission), and must be
+accepted by both; with a SpecExit row reading a draft's column, by neither.
 """
 
 from __future__ import annotations
@@ -192,9 +193,12 @@ def test_trace_of_a_draft_model_run_is_a_behaviour_of_async_scheduling(drafted):
     verdict = check_trace(drafted)
     print(f"draft_model run: {verdict.describe()}")
     assert verdict.accepted, verdict.describe()
+    runs = check_spec_trace(drafted)  # and its runs against SpecDecode.tla
+    print(f"draft_model run, SpecDecode: {runs.describe()}")
+    assert runs.accepted, runs.describe()
 
 
-def test_a_draft_model_trace_whose_spec_exit_row_reads_a_draft_fails_token_ownership(drafted):
+def test_a_draft_model_trace_whose_spec_exit_row_reads_a_draft_is_rejected(drafted):
     """A SpecExit row that read next_input's last column, a draft, instead of its first (the production
     runner's garbage token; the spec's MCExitReadsDraft) computes on another token than its own."""
     exits = {e["step"] for e in drafted if e["event"] == "step" and e["state"] == sm.SPEC_EXIT}
@@ -206,3 +210,6 @@ def test_a_draft_model_trace_whose_spec_exit_row_reads_a_draft_fails_token_owner
     print(verdict.describe())
     assert verdict.violated_invariant == "TokenOwnershipInv", verdict.describe()
     assert verdict.rejected_event == wrong[i], verdict.describe()
+    runs = check_spec_trace(wrong)  # SpecDecode.tla: the row's first input is not its last accepted token
+    print(runs.describe())
+    assert runs.violated_invariant == "NextInputInv", runs.describe()

@@ -16,12 +16,13 @@
 (*   the output has past its 1 + a (none, unless a rejected draft got in). *)
 (* - Materialize: the output thread's (or the main thread's) to_host.      *)
 (* - AdvanceStep: who finished, and how many tokens each request got.      *)
-(* The only silent step is the engine core starting to wait for its oldest *)
-(* step, just before the trace shows it applied. The trace then fixes      *)
-(* every choice, and TLC follows one behaviour.                            *)
+(* The silent steps: the engine core starting to wait for its oldest       *)
+(* step, just before the trace shows it applied, and a request admitted    *)
+(* after the first step (Late) just before the Launch of its prefill.      *)
+(* The trace then fixes every choice, and TLC follows one behaviour.       *)
 (*                                                                         *)
 (* What SpecDecode leaves out the trace must not have (the checker says    *)
-(* so): requests admitted after the first step, aborts, failures.          *)
+(* so): aborts, failures.                                                  *)
 (* SpecTraceLog is generated per trace by model_check/spec_trace_check.py. *)
 (***************************************************************************)
 EXTENDS SpecDecode, SpecTraceLog
@@ -36,6 +37,7 @@ OnceReqSet == TraceReqSet
 OnceK == TraceK
 OnceMaxTokens == TraceMaxTokens
 OnceRoom == TraceRoom
+OnceLate == TraceLate
 
 Ev == TraceEvents[l]
 NextIs(names) == l <= Len(TraceEvents) /\ Ev.event \in names
@@ -51,6 +53,13 @@ TraceInputOf(r, kind) ==
     LET x == Ev.inputs[Row(Ev, r)]
         n == devN[r]
     IN IF x.src = "prompt" THEN IF n = 0 THEN Tok(r, 0) ELSE Wrong(r, n)
+       \* a drafted future's row (draft_model): the pending step's row of r, at column 0, holds the
+       \* device's last accepted token of r; another row, or a draft's column, is another token
+       ELSE IF x.src = "future"
+            THEN IF /\ n > 0 /\ x.col = 0
+                    /\ x.row \in DOMAIN steps[Len(steps)].rows /\ steps[Len(steps)].rows[x.row] = r
+                 THEN Tok(r, n)
+                 ELSE Wrong(r, n)
        ELSE IF /\ n > 0
                /\ x.pos = TracePromptLen[r] + n - 1
                /\ n \in DOMAIN TraceOut[r]
@@ -100,7 +109,11 @@ Logged ==
     /\ l' = l + 1
 
 \* The engine core starts to wait on its oldest step just before the trace shows it applied.
-Silent == NextIs({"AdvanceStep"}) /\ WaitOldest /\ UNCHANGED l
+\* A late request is admitted just before the Launch that schedules its prefill.
+Silent ==
+    /\ \/ NextIs({"AdvanceStep"}) /\ WaitOldest
+       \/ NextIs({"Launch"}) /\ \E r \in Range(Ev.new) : Admit(r)
+    /\ UNCHANGED l
 
 \* Report the furthest event matched so far (TLC register 1), once per new maximum.
 Progress == l' > TLCGet(1) => TLCSet(1, l') /\ PrintT(<<"matched", l' - 1, Len(TraceEvents)>>)
