@@ -127,49 +127,27 @@ def decide_cases(rng: random.Random) -> list[dict]:
         for relay in (False, True)
         for host in (False, True)
     ]
-    for curr in currs.values():
-        for all_decode in (True, False):
-            for input_shape in ((4,), (8,), (3, 16)):
-                for input_dtype in ("torch.int32", "torch.int64"):
-                    for relay in (False, True):
-                        for host in (False, True):
-                            observations.append(
-                                sm.StepObservation(
-                                    True,
-                                    base,
-                                    curr,
-                                    all_decode,
-                                    (4,),
-                                    "torch.int32",
-                                    input_shape,
-                                    input_dtype,
-                                    relay,
-                                    host,
-                                )
-                            )
+    dtypes = ("torch.int32", "torch.int64")
+
+    def pending(curr, all_decode, input_shape, input_dtype, relay, **more) -> sm.StepObservation:
+        """A step after the pending one of rows `base`, a future of shape (4,)."""
+        return sm.StepObservation(
+            True, base, curr, all_decode, (4,), "torch.int32", input_shape, input_dtype, relay, **more
+        )
+
+    for curr, all_decode, input_shape, input_dtype, relay, host in itertools.product(
+        currs.values(), (True, False), ((4,), (8,), (3, 16)), dtypes, (False, True), (False, True)
+    ):
+        observations.append(pending(curr, all_decode, input_shape, input_dtype, relay, host_drafter=host))
     # A drafted future (the drafter on the device; host_drafter is tried first, above): (all_decode,
     # all_spec) one-token rows, rows that verify drafts, a mixture; it fits by its row count, so
     # (4, 16), four rows verifying drafts, fits, and (3, 16) does not.
     kinds = ((True, False), (False, True), (False, False))
-    shapes = ((4,), (8,), (3, 16), (4, 16))
-    dtypes = ("torch.int32", "torch.int64")
     for curr, (all_decode, all_spec), input_shape, input_dtype, relay in itertools.product(
-        currs.values(), kinds, shapes, dtypes, (False, True)
+        currs.values(), kinds, ((4,), (8,), (3, 16), (4, 16)), dtypes, (False, True)
     ):
         observations.append(
-            sm.StepObservation(
-                True,
-                base,
-                curr,
-                all_decode,
-                (4,),
-                "torch.int32",
-                input_shape,
-                input_dtype,
-                relay,
-                pending_drafted=True,
-                all_spec=all_spec,
-            )
+            pending(curr, all_decode, input_shape, input_dtype, relay, pending_drafted=True, all_spec=all_spec)
         )
     ids = "abcd"
     for _ in range(300):
