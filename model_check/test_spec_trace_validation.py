@@ -213,3 +213,45 @@ def test_a_draft_model_trace_whose_spec_exit_row_reads_a_draft_is_rejected(draft
     runs = check_spec_trace(wrong)  # SpecDecode.tla: the row's first input is not its last accepted token
     print(runs.describe())
     assert runs.violated_invariant == "NextInputInv", runs.describe()
+
+
+DRAFT_EXAMPLES = 10  # the stateful engine's draft_model machine, its one engine traced
+DRAFT_STEPS = 10
+
+
+def test_traces_of_hypothesis_draft_model_examples_are_behaviours_of_async_scheduling(tlc_available, tmp_path):
+    """tests/test_stateful_engine.py's draft_model machine (in process, the target drafting for itself:
+    rows keep to the device's SpecSteady and SpecExit while the batch keeps its rows), traced for a
+    few examples: admissions, aborts and finishes around drafted futures. Each trace is accepted."""
+    import test_stateful_engine as stateful
+    from hypothesis import HealthCheck, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    for device in list(stateful._ENGINES):  # an engine of tests/ (same session) writes no trace
+        stateful._discard_engine(device)
+    stateful.TRACE_DIR = str(tmp_path)
+    try:
+        run_state_machine_as_test(
+            stateful.EngineWithDraftModel,
+            settings=settings(
+                max_examples=DRAFT_EXAMPLES,
+                stateful_step_count=DRAFT_STEPS,
+                derandomize=True,
+                database=None,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow],
+            ),
+        )
+    finally:
+        stateful.TRACE_DIR = None
+        for device in list(stateful._ENGINES):
+            stateful._discard_engine(device)
+    traces = sorted(tmp_path.glob("*.ndjson"))
+    assert traces, "no engine wrote a trace"
+    events = [read_trace(path) for path in traces]
+    steps = Counter(e["state"] for trace in events for e in trace if e["event"] == "step")
+    assert steps[sm.SPEC_STEADY], steps
+    for path, trace in zip(traces, events, strict=True):
+        verdict = check_trace(trace, timeout_s=600)
+        print(f"{path.name}: {verdict.describe()} {dict(steps)}")
+        assert verdict.accepted, f"{path.name}: {verdict.describe()}"

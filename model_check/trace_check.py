@@ -288,6 +288,7 @@ class Trace:
     limits: dict[str, int]  # request name -> max_tokens (a device drafter's run: its rows)
     prompt_lens: dict[str, int]
     values: dict[str, list[int]]  # request name -> token values by output index
+    ids: dict[str, str]  # request name -> the id the engine gave it (reused ids: "id#2" -> "id")
     drafter: bool = False  # a device drafter's run (draft_model): one abstract token per row
     run_starts: dict[str, list[int]] | None = None  # device drafter: per row, its run's real output index
 
@@ -296,14 +297,20 @@ class Trace:
         config, threads = trace_config(raw), engine_threads(raw)
         events = logged_events(raw)
         records = trace_records(events, threads)
+        ids = {
+            name: req_id
+            for e, r in zip(events, records, strict=True)
+            if e["event"] == "step"
+            for name, req_id in zip(r["new"], e["new"], strict=True)
+        }
         if device_drafter(raw):
             prompt_lens, values, starts, limits = drafted_values(events, records)
-            return cls(config, threads, events, records, limits, prompt_lens, values, True, starts)
+            return cls(config, threads, events, records, limits, prompt_lens, values, ids, True, starts)
         prompt_lens, values = sampled_values(events, records)
         limits: dict[str, int] = {}
         for r in records:
             limits.update(zip(r["new"], r["max_tokens"], strict=True))
-        return cls(config, threads, events, records, limits, prompt_lens, values)
+        return cls(config, threads, events, records, limits, prompt_lens, values, ids)
 
 
 def combine(pairs: list[str]) -> str:
@@ -367,6 +374,7 @@ def trace_log_module(
         "EXTENDS Integers, Sequences, TLC",
         f"TraceRequests == {tla(order)}",
         f"TraceReqSet == {{{', '.join(tla(r) for r in order)}}}",
+        f"TraceIds == {function(trace.ids)}",  # the id each request had: a reused id's later ones are "id#2"
         f"TraceMaxTokens == {function(trace.limits)}",
         f"TracePromptLen == {function(trace.prompt_lens)}",
         f"TraceOut == {function(trace.values, [])}",  # per request: token values by output index

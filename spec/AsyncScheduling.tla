@@ -342,10 +342,14 @@ Schedules ==
 (* step: the engine core schedules, the worker observes and decides. One    *)
 (* action per path state (the machine's `step` trigger and its destination). *)
 
+\* The request id the machine sees for a request: its name here. (Trace validation overrides it: a
+\* client may reuse an id once its request finished, and the trace names the new request "id#2".)
+IdOf(r) == r
+
 Observation(curr, allDecode, allSpec) ==
     [hasPending |-> pending # 0,
-     prevReqIds |-> IF pending # 0 THEN steps[pending].rows ELSE <<>>,
-     currReqIds |-> curr,
+     prevReqIds |-> IF pending # 0 THEN [i \in DOMAIN steps[pending].rows |-> IdOf(steps[pending].rows[i])] ELSE <<>>,
+     currReqIds |-> [i \in DOMAIN curr |-> IdOf(curr[i])],
      allDecode |-> allDecode,
      pendingShape |-> IF pending # 0 THEN steps[pending].shape ELSE <<>>,
      pendingDtype |-> IF pending # 0 THEN SampledDtype ELSE None,

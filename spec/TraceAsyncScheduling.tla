@@ -96,6 +96,9 @@ TraceStepInputs(c, prev) ==
                          ELSE Corrupt(r, k - 1)
     IN [i \in DOMAIN c.curr |-> IF i <= Len(Ev.inputs) THEN In(i) ELSE Poison]
 
+\* The id the engine's machine compares for a request: a reused id's later requests ("id#2") too.
+TraceIdOf(r) == TraceIds[r]
+
 \* The engine core hands a token to exactly the requests it logged one for.
 TraceDelivers(st, i) == st.rows[i] \in Range(Ev.delivered)
 
