@@ -329,10 +329,6 @@ def _tensor_parallel(config: EngineConfig) -> None:
 
 def _speculation(config: EngineConfig) -> None:
     """What speculative decoding does not run with yet, refused by name (docs/spec-decode.md §9)."""
-    spec = config.speculative_config
-    if spec is not None and spec.method == "draft_model" and config.tensor_parallel_size > 1:
-        # The drafter is not sharded, and a non-output rank never holds the drafts it would verify.
-        raise ConfigError("speculative_config.method: 'draft_model' is not implemented with tensor_parallel_size > 1")
     if not config.on_device_sampling:
         raise ConfigError("speculative_config: verification samples on the device; needs on_device_sampling")
     if config.device == "xla" or not config.enforce_eager:

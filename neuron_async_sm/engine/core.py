@@ -31,7 +31,7 @@ from neuron_async_sm.model import (
     load_model_config,
 )
 from neuron_async_sm.model.config import model_directory, tokenizer_path
-from neuron_async_sm.model.drafter import Drafter, check_draft_model
+from neuron_async_sm.model.drafter import build_drafter, check_draft_model
 from neuron_async_sm.model.loader import checkpoint_path
 from neuron_async_sm.model.parallel import TensorParallelGroup, build_sharded_step_program, check_divisible
 from neuron_async_sm.model.program import RelayPad
@@ -112,7 +112,7 @@ class StepProgramFactory:
             drafter = None
             if self.draft_model is not None:  # a second Llama and KV cache, same slots and positions
                 draft_spec = replace(self.spec, model=self.draft_model, compile_shapes=())
-                drafter = Drafter(build_step_program(draft_spec, device), self.spec_width - 1)
+                drafter = build_drafter(draft_spec, self.spec_width - 1, device, self.group)
             programs[SPEC_STEP_PROGRAM] = SpecStepProgram(program, self.spec_width, drafter)
         return programs
 
@@ -147,12 +147,11 @@ def check_before_device_start(config: EngineConfig, model: LlamaConfig) -> Engin
         checkpoint_path(model_directory(config.model))  # raises ModelLoadError naming what is missing
     if config.tensor_parallel_size > 1 and (problem := check_divisible(model, config.tensor_parallel_size)):
         raise ConfigError(f"tensor_parallel_size: {problem}; choose a size that divides it")
-    config = resolve_model_len(config, model)  # raises ConfigError naming the numbers and the flags
     spec = config.speculative_config
+    draft = None  # the draft model's config: its KV cache shares the budget
     if spec is not None and spec.method == "draft_model":
-        assert config.max_model_len is not None
-        check_draft_model(spec, model, config.max_model_len)
-    return config
+        draft = check_draft_model(spec, model, config.tensor_parallel_size)
+    return resolve_model_len(config, model, draft)  # raises ConfigError naming the numbers and the flags
 
 
 def model_spec(config: EngineConfig) -> ModelSpec:

@@ -2,7 +2,8 @@
 
 `resolve_model_len` runs once in `EngineCore.__init__`, after the model's config is read and before
 anything else reads `EngineConfig.max_model_len`; the config it returns is the one the scheduler, the
-runner, the trace header and `LLM.config` see.
+runner, the trace header and `LLM.config` see. With a draft model (speculative decoding) the budget
+holds both KV caches: the draft's has the target's slots and positions, its own layers and heads.
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ def default_kv_cache_memory_gb(meminfo: Path = Path("/proc/meminfo")) -> float:
     return DEFAULT_KV_CACHE_MEMORY_SHARE * available / GIB
 
 
-def resolve_model_len(config: EngineConfig, model: LlamaConfig) -> EngineConfig:
+def resolve_model_len(config: EngineConfig, model: LlamaConfig, draft: LlamaConfig | None = None) -> EngineConfig:
     """`config` with `max_model_len` and `kv_cache_memory_gb` decided; ConfigError naming the numbers.
 
     Unset max_model_len: the model's max_position_embeddings, or the most positions whose KV cache fits
     the budget if that is fewer (a WARNING says so). Set: an error if it exceeds the model's limit or
-    its KV cache does not fit the budget.
+    its KV cache does not fit the budget. `draft`: the draft model's config, whose KV cache (the same
+    slots and positions) shares the budget; the errors then name both caches, and the draft's
+    max_position_embeddings must hold max_model_len too.
     """
     budget_gb = config.kv_cache_memory_gb
     budget_source = "--kv-cache-memory-gb"
@@ -53,10 +56,12 @@ def resolve_model_len(config: EngineConfig, model: LlamaConfig) -> EngineConfig:
         budget_gb = default_kv_cache_memory_gb()
         budget_source = f"--kv-cache-memory-gb (default: {DEFAULT_KV_CACHE_MEMORY_SHARE:.0%} of available memory)"
     dtype = TORCH_DTYPES[config.dtype]
-    per_position = kv_cache_bytes(model, config.max_num_seqs, 1, dtype)  # over every slot, K and V
+    per_model = [kv_cache_bytes(m, config.max_num_seqs, 1, dtype) for m in (model, draft) if m is not None]
+    per_position = sum(per_model)  # over every slot, K and V, of each cache
     fits = int(budget_gb * GIB) // per_position  # the most positions per slot the budget holds
     limit = model.max_position_embeddings
     slots = f"max_num_seqs={config.max_num_seqs} + 1 scratch slot"
+    caches = "the KV cache" if draft is None else "the KV caches of the target and the draft model"
     if config.max_model_len is None:
         if fits >= limit:
             chosen = limit
@@ -65,20 +70,21 @@ def resolve_model_len(config: EngineConfig, model: LlamaConfig) -> EngineConfig:
             chosen = fits
             logger.warning(
                 "max_model_len=%d, reduced from the model's max_position_embeddings %d to fit %s %.3g "
-                "(the KV cache for %s, %s); pass a larger --kv-cache-memory-gb or a smaller --max-num-seqs "
+                "(%s for %s, %s); pass a larger --kv-cache-memory-gb or a smaller --max-num-seqs "
                 "for more",
                 chosen,
                 limit,
                 budget_source,
                 budget_gb,
+                caches,
                 slots,
                 config.dtype,
             )
         else:
             raise ConfigError(
-                f"kv_cache_memory_gb: {budget_gb:.3g} GiB holds a KV cache of {fits} positions per slot "
-                f"({slots}, {per_position} bytes per position); at least {MIN_MODEL_LEN} are needed: "
-                "raise --kv-cache-memory-gb or lower --max-num-seqs"
+                f"kv_cache_memory_gb: {budget_gb:.3g} GiB holds {caches} for {fits} positions per slot "
+                f"({slots}, {per_position} bytes per position{_split(per_model)}); at least {MIN_MODEL_LEN} "
+                "are needed: raise --kv-cache-memory-gb or lower --max-num-seqs"
             )
     else:
         chosen = config.max_model_len
@@ -88,14 +94,27 @@ def resolve_model_len(config: EngineConfig, model: LlamaConfig) -> EngineConfig:
                 "lower --max-model-len or leave it unset to use the model's limit"
             )
         if chosen > fits:
-            need_gb = chosen * per_position / GIB
+            gib = [f"{chosen * n / GIB:.3g} GiB" for n in per_model]
+            needs = f"a KV cache of {gib[0]}"
+            if draft is not None:
+                needs = f"KV caches of {gib[0]} (the target's) + {gib[1]} (the draft's)"
             raise ConfigError(
-                f"max_model_len: {chosen} needs a KV cache of {need_gb:.3g} GiB ({slots}, {config.dtype}), "
+                f"max_model_len: {chosen} needs {needs} ({slots}, {config.dtype}), "
                 f"more than {budget_source} {budget_gb:.3g}; lower --max-model-len (at most {fits} fits) "
                 "or raise --kv-cache-memory-gb"
             )
         logger.info("max_model_len=%d (--max-model-len)", chosen)
+    if draft is not None and draft.max_position_embeddings < chosen:
+        raise ConfigError(
+            f"speculative_config.model: the draft's max_position_embeddings ({draft.max_position_embeddings}) "
+            f"is below max_model_len ({chosen})"
+        )
     return dataclasses.replace(config, max_model_len=chosen, kv_cache_memory_gb=budget_gb)
+
+
+def _split(per_model: list[int]) -> str:
+    """`: the target's T, the draft's D` where two caches share the budget."""
+    return "" if len(per_model) == 1 else f": the target's {per_model[0]}, the draft's {per_model[1]}"
 
 
 def _mem_available_bytes(meminfo: Path) -> int | None:

@@ -20,17 +20,21 @@ import torch
 from neuron_async_sm.config import ConfigError, SpeculativeConfig
 from neuron_async_sm.model.config import TINY_LLAMA, LlamaConfig, load_model_config, model_directory
 from neuron_async_sm.model.loader import checkpoint_path
-from neuron_async_sm.model.program import StepProgram
+from neuron_async_sm.model.parallel import TensorParallelGroup, check_divisible, shard_step_program
+from neuron_async_sm.model.program import StepProgram, build_step_program
 from neuron_async_sm.model.sampler import _filtered_out, uniform_noise
+from neuron_async_sm.model.spec import ModelSpec
 
 # The draft sample's stream: its key is output_index with this bit set (the acceptance draw's is bit 62,
 # model/spec_decode.py), so the drafter's noise is independent of the target's for the same output.
 DRAFT_STREAM = 1 << 61
 
 
-def check_draft_model(spec: SpeculativeConfig, target: LlamaConfig, max_model_len: int) -> None:
-    """ConfigError naming `speculative_config.model` unless the draft checkpoint exists, shares the
-    target's vocabulary and special ids (one tokenizer), and holds max_model_len positions."""
+def check_draft_model(spec: SpeculativeConfig, target: LlamaConfig, tensor_parallel_size: int) -> LlamaConfig:
+    """The draft model's config; ConfigError naming `speculative_config.model` unless the checkpoint
+    exists, shares the target's vocabulary and special ids (one tokenizer), and splits over the
+    target's ranks. Its positions are checked against max_model_len where that is resolved
+    (engine/model_len.py, which counts its KV cache in the budget)."""
     assert spec.model is not None
     try:
         draft = load_model_config(spec.model)
@@ -45,11 +49,25 @@ def check_draft_model(spec: SpeculativeConfig, target: LlamaConfig, max_model_le
                 f"speculative_config.model: the draft's {name} {mine!r} differs from the target's {theirs!r} "
                 "(the draft must share the target's tokenizer)"
             )
-    if draft.max_position_embeddings < max_model_len:
+    if tensor_parallel_size > 1 and (problem := check_divisible(draft, tensor_parallel_size)):
         raise ConfigError(
-            f"speculative_config.model: the draft's max_position_embeddings ({draft.max_position_embeddings}) "
-            f"is below max_model_len ({max_model_len})"
+            f"speculative_config.model: the draft is split over the target's {tensor_parallel_size} ranks "
+            f"(tensor_parallel_size), but {problem}"
         )
+    return draft
+
+
+def build_drafter(spec: ModelSpec, num_drafts: int, device: torch.device, group: TensorParallelGroup | None) -> Drafter:
+    """The draft model's program for `spec` (its checkpoint, the target's slots and positions) on `device`.
+
+    On a tensor-parallel rank (`group`, joined already by the target's program) the draft is split
+    as the target is, over the same ranks, and its `logits_of` gathers the whole vocabulary: every
+    rank runs the same drafter on the same gathered logits with the same counter-based noise, so
+    every rank proposes the same drafts and keeps the same q.
+    """
+    if group is None:
+        return Drafter(build_step_program(spec, device), num_drafts)
+    return Drafter(shard_step_program(spec, group.rank, group.world_size, device), num_drafts)
 
 
 class Drafter:

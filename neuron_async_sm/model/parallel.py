@@ -195,21 +195,28 @@ def build_sharded_step_program(
     spec: ModelSpec, group: TensorParallelGroup, device: torch.device = HOST
 ) -> ShardedStepProgram:
     """Loads the checkpoint, keeps rank `group.rank`'s slices, allocates its KV cache, joins the group."""
+    program = shard_step_program(spec, group.rank, group.world_size, device)
+    # Joined last: a load that fails (the same checkpoint fails on every rank) is reported as that
+    # error, and the rendezvous waits only out the ranks' difference in loading time.
+    group.join()
+    return program
+
+
+def shard_step_program(spec: ModelSpec, rank: int, world_size: int, device: torch.device = HOST) -> ShardedStepProgram:
+    """Rank `rank`'s program over `spec`'s model, split over `world_size` ranks, without joining a group:
+    its collectives run in the group this process joined (a second model on the same ranks: the drafter)."""
     config = load_model_config(spec.model)
     if spec.max_model_len > config.max_position_embeddings:
         raise ValueError(
             f"ModelSpec.max_model_len ({spec.max_model_len}) exceeds the model's "
             f"max_position_embeddings ({config.max_position_embeddings})"
         )
-    local = local_config(config, group.world_size)
+    local = local_config(config, world_size)
     full = load_weights(spec.model, config, spec.torch_dtype, seed=spec.seed)
-    weights = shard_weights(full, config, group.rank, group.world_size)
+    weights = shard_weights(full, config, rank, world_size)
     del full
     if device.type != "cpu":
         weights = weights.to(device)
     model = ShardedLlamaModel(local, weights, spec.max_model_len, spec.torch_dtype)
     kv_cache = KVCache(local, spec.max_num_seqs, spec.max_model_len, spec.torch_dtype, device)
-    # Joined last: a load that fails (the same checkpoint fails on every rank) is reported as that
-    # error, and the rendezvous waits only out the ranks' difference in loading time.
-    group.join()
-    return ShardedStepProgram(spec, config, model, kv_cache, device, rank=group.rank)
+    return ShardedStepProgram(spec, config, model, kv_cache, device, rank=rank)
