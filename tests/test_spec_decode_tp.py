@@ -1,11 +1,11 @@
-"""Speculative decoding (n-gram), what tests/test_spec_decode.py leaves: at tensor_parallel_size=2
-(the non-output rank builds its rows from the output rank's drafts and row starts), against
-transformers' prompt lookup, a row in flight past its request's end, and logits processing in
-verification.
+"""Speculative decoding, what tests/test_spec_decode.py leaves: at tensor_parallel_size=2 with n-gram
+(the non-output rank builds its rows from the output rank's drafts and row starts) and with a draft
+model (split over the same ranks as the target), against transformers' prompt lookup, a row in
+flight past its request's end, and logits processing in verification.
 
 Every TP=2 engine here is two real device processes in a gloo group, each with its shard; the
 target is test_spec_decode's repetitive checkpoint, whose greedy output soon repeats so that n-gram
-drafts are accepted in runs.
+drafts are accepted in runs; the draft model is test_spec_draft_model's noisy copy of it.
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ import pytest
 import torch
 from support.workloads import WorkItem, assert_matches, drive, random_workload
 from test_spec_decode import ENGINE, PROMPT, deltas_of, ngram, sampled_rows, target  # noqa: F401
+from test_spec_draft_model import close_draft, draft_model  # noqa: F401
 
-from neuron_async_sm import LLM, SamplingParams
+from neuron_async_sm import LLM, ConfigError, SamplingParams
+from neuron_async_sm.bench.checkpoint import write_checkpoint
+from neuron_async_sm.model import TINY_LLAMA_CONFIG
 from neuron_async_sm.model.spec_decode import rejection_sample
 from neuron_async_sm.worker.input_batch import POISON_TOKEN, InputBatch
 
@@ -38,21 +41,23 @@ def churn(target):  # noqa: F811
         return batches, [drive(llm, items, aborts=False) for items in batches]
 
 
-def longer(item, rng: random.Random):
-    params = dataclasses.replace(item.params, temperature=0.0, max_tokens=rng.randint(20, 80))
+def longer(item, rng: random.Random, shortest: int = 20, longest: int = 80):
+    params = dataclasses.replace(item.params, temperature=0.0, max_tokens=rng.randint(shortest, longest))
     return dataclasses.replace(item, params=params)
 
 
-def check_tp2(llm: LLM, churn: tuple) -> None:
-    """`llm` (two ranks, speculating) gives the reference's tokens on churn; an aborted request a prefix."""
+def check_tp2(llm: LLM, churn: tuple, accepted: float = 0.5) -> None:
+    """`llm` (two ranks, speculating) gives the reference's tokens on churn; an aborted request a
+    prefix; more than the share `accepted` of the drafts was accepted."""
     batches, expected = churn
     assert len(llm.engine.runtimes) == 2
+    before = llm.stats()["spec_decode"]  # an engine shared between tests counts theirs too
     for items, want in zip(batches, expected, strict=True):
         got = drive(llm, items, aborts=True)
         assert_matches(got, want, items)
-    spec = llm.stats()["spec_decode"]
+    spec = {name: count - before[name] for name, count in llm.stats()["spec_decode"].items()}
     # Most rows verified drafts and most drafts were accepted: runs, not only rejections.
-    assert spec["num_spec_rows"] > 10 and spec["num_accepted_tokens"] > spec["num_draft_tokens"] // 2, spec
+    assert spec["num_spec_rows"] > 10 and spec["num_accepted_tokens"] > accepted * spec["num_draft_tokens"], spec
     # The drafts came from the output rank's history: the other rank never brought a token to the host.
     output_rank, other = (runtime.stats().host_transfers for runtime in llm.engine.runtimes)
     assert output_rank > 0 and other == 0, (output_rank, other)
@@ -68,6 +73,77 @@ def test_tp2_greedy_tokens_with_speculation_equal_tp1_tokens_without(target, chu
         target, tensor_parallel_size=2, async_scheduling=async_scheduling, speculative_config=ngram(k), **ENGINE
     ) as llm:
         check_tp2(llm, churn)
+
+
+# -- draft_model at TP = 2 ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def draft_churn(target):  # noqa: F811
+    """Greedy churny workloads without logits processing (which the target applies and the draft does
+    not), so that the close draft's drafts are mostly accepted, and their tokens at TP=1 without
+    speculation, sync: the reference."""
+    rng = random.Random(6)  # ten requests, two of them aborted
+    batches = [[longer(item, rng, 12, 32) for item in random_workload(rng, f"d{n}", max_prompt=30)] for n in range(1)]
+    with LLM(target, async_scheduling=False, **ENGINE) as llm:
+        return batches, [drive(llm, items, aborts=False) for items in batches]
+
+
+@pytest.fixture(scope="module")
+def drafting_tp2(target, close_draft):  # noqa: F811
+    """Two engines of two ranks each, sync and async, with the close draft split over both ranks
+    (k = 4), shared by the tests below: each engine is two device processes."""
+    engine = dict(ENGINE, tensor_parallel_size=2, speculative_config=draft_model(close_draft, 4))
+    with (
+        LLM(target, async_scheduling=False, **engine) as sync_llm,
+        LLM(target, async_scheduling=True, **engine) as async_llm,
+    ):
+        yield {False: sync_llm, True: async_llm}
+
+
+@pytest.mark.parametrize(
+    ("async_scheduling", "k"), [(True, 1), (False, 4), (True, 4)], ids=["async-1", "sync-4", "async-4"]
+)
+def test_tp2_greedy_tokens_with_a_draft_model_equal_tp1_tokens_without(
+    request,
+    target,  # noqa: F811
+    close_draft,  # noqa: F811
+    draft_churn,
+    async_scheduling,
+    k,
+):
+    """The draft split over both ranks as the target is: the reference's tokens, and the close draft's
+    high acceptance (a rank drafting from its own vocabulary shard proposes drafts the target rejects)."""
+    if k == 4:
+        check_tp2(request.getfixturevalue("drafting_tp2")[async_scheduling], draft_churn, accepted=0.8)
+        return
+    with LLM(
+        target,
+        tensor_parallel_size=2,
+        async_scheduling=async_scheduling,
+        speculative_config=draft_model(close_draft, k),
+        **ENGINE,
+    ) as llm:
+        check_tp2(llm, draft_churn, accepted=0.8)
+
+
+def test_tp2_seeded_sampling_with_a_draft_model_gives_the_same_tokens_async_and_sync(drafting_tp2):
+    """Seeded and greedy requests (with logits processing) at TP = 2: every rank samples the drafts and
+    keeps q the same way, so async gives sync's tokens, rejections and residual draws included."""
+    items = random_workload(random.Random(11), "s", max_prompt=40, processing=True)
+    before = drafting_tp2[True].stats()["spec_decode"]
+    want = drive(drafting_tp2[False], items, aborts=False)
+    got = drive(drafting_tp2[True], items, aborts=True)
+    assert_matches(got, want, items)
+    after = drafting_tp2[True].stats()["spec_decode"]
+    accepted, drafted = (after[n] - before[n] for n in ("num_accepted_tokens", "num_draft_tokens"))
+    assert 0 < accepted < drafted, (before, after)
+
+
+def test_a_draft_that_does_not_split_over_the_ranks_is_refused_naming_speculative_config_model(target, tmp_path):  # noqa: F811
+    odd = write_checkpoint(tmp_path / "odd", dataclasses.replace(TINY_LLAMA_CONFIG, intermediate_size=351))
+    with pytest.raises(ConfigError, match=r"^speculative_config.model: the draft is split over .* intermediate_size"):
+        LLM(target, tensor_parallel_size=2, speculative_config=draft_model(str(odd), 2), **ENGINE)
 
 
 # -- against transformers' prompt lookup ---------------------------------------------------------------

@@ -60,8 +60,6 @@ def test_draft_model_config_is_checked_naming_speculative_config_model(target, t
         EngineConfig(speculative_config={"method": "draft_model"})
     with pytest.raises(ConfigError, match="speculative_config.model: only method 'draft_model'"):
         EngineConfig(speculative_config={"method": "ngram", "model": target})
-    with pytest.raises(ConfigError, match="speculative_config.method: 'draft_model' is not implemented with tensor"):
-        EngineConfig(tensor_parallel_size=2, speculative_config=draft_model(target, 2))
     other_vocab = write_checkpoint(tmp_path / "vocab", MICRO_LLAMA_CONFIG)
     short = dict(json_config(target), max_position_embeddings=64)
     for bad, reason in [
