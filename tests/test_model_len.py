@@ -6,6 +6,7 @@ through the CLI) is in test_model_hf_parity.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from neuron_async_sm import LLM, ConfigError, EngineConfig, SamplingParams
+from neuron_async_sm.bench.checkpoint import write_checkpoint
 from neuron_async_sm.cli import main
 from neuron_async_sm.engine.model_len import GIB, default_kv_cache_memory_gb
 from neuron_async_sm.model import TINY_LLAMA_CONFIG, kv_cache_bytes
@@ -117,3 +119,40 @@ def test_default_budget_is_half_of_mem_available(tmp_path: Path) -> None:
 def test_bad_kv_cache_memory_gb_names_the_field(value: object) -> None:
     with pytest.raises(ConfigError, match="^kv_cache_memory_gb: must be a positive number"):
         EngineConfig(kv_cache_memory_gb=value)  # type: ignore[arg-type]
+
+
+# -- a draft model's KV cache shares the budget (speculative decoding) ------------------------------
+
+# The one-layer draft's KV cache per position: tiny-llama's with one layer instead of four.
+DRAFT_BYTES_PER_POSITION = 1 * 9 * 2 * 2 * 32 * 4
+
+
+@pytest.fixture(scope="module")
+def one_layer_draft(tmp_path_factory) -> dict:
+    """speculative_config with a one-layer draft sharing tiny-llama's vocabulary and special ids."""
+    path = write_checkpoint(
+        tmp_path_factory.mktemp("draft"), dataclasses.replace(TINY_LLAMA_CONFIG, num_hidden_layers=1)
+    )
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": 2}
+
+
+def test_a_draft_models_kv_cache_lowers_the_max_model_len_the_budget_holds(one_layer_draft) -> None:
+    both = 2**20 // (TINY_BYTES_PER_POSITION + DRAFT_BYTES_PER_POSITION)  # 45 positions, 56 without the draft
+    with LLM("tiny-llama", kv_cache_memory_gb=ONE_MIB_GB, speculative_config=one_layer_draft, **ENGINE) as llm:
+        assert llm.config.max_model_len == both < ONE_MIB_FITS
+        [out] = llm.generate([[5] * 40], SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.0))
+    assert (len(out.output_token_ids), out.finish_reason) == (both - 40, "length")
+
+
+def test_a_budget_that_holds_the_target_alone_but_not_the_draft_too_is_refused_naming_both(one_layer_draft) -> None:
+    fits_target = dict(max_model_len=50, kv_cache_memory_gb=ONE_MIB_GB, **ENGINE)
+    LLM("tiny-llama", **fits_target).close()  # the target alone fits: the draft's cache is what overflows
+    with pytest.raises(ConfigError) as info:
+        LLM("tiny-llama", speculative_config=one_layer_draft, **fits_target)
+    message = str(info.value)
+    assert message.startswith("max_model_len: 50 needs KV caches of "), message
+    assert "(the target's) + " in message and "(the draft's)" in message and "at most 45 fits" in message
+    # Unset max_model_len: a budget of two positions for the target alone, one with the draft.
+    tight = (2 * TINY_BYTES_PER_POSITION + DRAFT_BYTES_PER_POSITION // 2) / GIB
+    with pytest.raises(ConfigError, match=r"^kv_cache_memory_gb: .* holds the KV caches of the target and the draft"):
+        LLM("tiny-llama", kv_cache_memory_gb=tight, speculative_config=one_layer_draft, **ENGINE)

@@ -81,8 +81,9 @@ def resolve_model_len(config: EngineConfig, model: LlamaConfig, draft: LlamaConf
                 config.dtype,
             )
         else:
+            holds = f"a KV cache of {fits}" if draft is None else f"{caches} for {fits}"
             raise ConfigError(
-                f"kv_cache_memory_gb: {budget_gb:.3g} GiB holds {caches} for {fits} positions per slot "
+                f"kv_cache_memory_gb: {budget_gb:.3g} GiB holds {holds} positions per slot "
                 f"({slots}, {per_position} bytes per position{_split(per_model)}); at least {MIN_MODEL_LEN} "
                 "are needed: raise --kv-cache-memory-gb or lower --max-num-seqs"
             )
