@@ -24,6 +24,7 @@ from neuron_async_sm import LLM, ConfigError, SamplingParams
 from neuron_async_sm.bench.checkpoint import write_checkpoint
 from neuron_async_sm.model import TINY_LLAMA_CONFIG
 from neuron_async_sm.model.spec_decode import rejection_sample
+from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.input_batch import POISON_TOKEN, InputBatch
 
 
@@ -115,29 +116,41 @@ def test_tp2_greedy_tokens_with_a_draft_model_equal_tp1_tokens_without(
     """The draft split over both ranks as the target is: the reference's tokens, and the close draft's
     high acceptance (a rank drafting from its own vocabulary shard proposes drafts the target rejects)."""
     if k == 4:
-        check_tp2(request.getfixturevalue("drafting_tp2")[async_scheduling], draft_churn, accepted=0.8)
-        return
-    with LLM(
-        target,
-        tensor_parallel_size=2,
-        async_scheduling=async_scheduling,
-        speculative_config=draft_model(close_draft, k),
-        **ENGINE,
-    ) as llm:
+        llm = request.getfixturevalue("drafting_tp2")[async_scheduling]
+        steady = spec_steady_steps(llm)
         check_tp2(llm, draft_churn, accepted=0.8)
+    else:
+        with LLM(
+            target,
+            tensor_parallel_size=2,
+            async_scheduling=async_scheduling,
+            speculative_config=draft_model(close_draft, k),
+            **ENGINE,
+        ) as llm:
+            steady = spec_steady_steps(llm)
+            check_tp2(llm, draft_churn, accepted=0.8)
+    if async_scheduling:  # some steps fed every rank's own next_input, device to device
+        assert spec_steady_steps(llm) > steady, llm.stats()["state_counts"]
+
+
+def spec_steady_steps(llm: LLM) -> int:
+    """Steps that took SpecSteady (the executor checks that every rank took the same path)."""
+    return llm.stats().get("state_counts", {}).get(sm.SPEC_STEADY, 0)
 
 
 def test_tp2_seeded_sampling_with_a_draft_model_gives_the_same_tokens_async_and_sync(drafting_tp2):
     """Seeded and greedy requests (with logits processing) at TP = 2: every rank samples the drafts and
     keeps q the same way, so async gives sync's tokens, rejections and residual draws included."""
     items = random_workload(random.Random(11), "s", max_prompt=40, processing=True)
-    before = drafting_tp2[True].stats()["spec_decode"]
+    before, steady = drafting_tp2[True].stats()["spec_decode"], spec_steady_steps(drafting_tp2[True])
     want = drive(drafting_tp2[False], items, aborts=False)
     got = drive(drafting_tp2[True], items, aborts=True)
     assert_matches(got, want, items)
     after = drafting_tp2[True].stats()["spec_decode"]
     accepted, drafted = (after[n] - before[n] for n in ("num_accepted_tokens", "num_draft_tokens"))
     assert 0 < accepted < drafted, (before, after)
+    # Steps fed from each rank's own next_input: a rank whose drafts or q differed would diverge there.
+    assert spec_steady_steps(drafting_tp2[True]) > steady
 
 
 def test_a_draft_that_does_not_split_over_the_ranks_is_refused_naming_speculative_config_model(target, tmp_path):  # noqa: F811
