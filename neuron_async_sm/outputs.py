@@ -112,6 +112,9 @@ class ModelRunnerOutput:
     # chunk, of the prompt tokens after its positions (None: the row did not ask).
     logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
+    # Speculative decoding with logprobs asked: row i's, one per token of spec_token_ids[i] (None: the
+    # row did not ask); logprobs[i] is the first of them.
+    spec_logprobs: list[list[TokenLogprobs] | None] | None = None
 
     def by_request(self) -> dict[str, int]:
         return dict(zip(self.req_ids, self.sampled_token_ids, strict=True))

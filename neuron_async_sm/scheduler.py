@@ -138,9 +138,6 @@ class Scheduler:
         field when a count is above max_logprobs."""
         if params.logprobs is None and params.prompt_logprobs is None:
             return params
-        if self.num_spec_tokens:
-            name = "logprobs" if params.logprobs is not None else "prompt_logprobs"
-            raise InvalidRequestError(f"{name}: not supported with speculative decoding yet")
         limit = self.config.max_logprobs
         counts = {}
         for name in ("logprobs", "prompt_logprobs"):
@@ -447,6 +444,7 @@ class Scheduler:
         dropped (never emitted)."""
         runs = output.runs_by_request()
         deltas: list[RequestDelta] = []
+        asked = None if output.logprobs is None and output.prompt_logprobs is None else self._logprobs(output)
         sampling, drafted = scheduled.sampling_req_ids, scheduled.num_draft_tokens
         for req_id in scheduled.num_scheduled_tokens:
             request = self.requests[req_id]
@@ -458,7 +456,12 @@ class Scheduler:
                 request.num_computed_tokens -= reserved - (len(run) - 1)  # the rejected drafts
                 self.num_accepted_tokens += len(run) - 1
                 if not request.is_finished:
-                    deltas.append(self._append_run(request, run))
+                    delta = self._append_run(request, run)
+                    if asked and (found := asked.get(req_id)) is not None:
+                        logprobs, delta.prompt_logprobs = found
+                        # A stop inside the run: the tokens after it, and their logprobs, are dropped.
+                        delta.logprobs = None if logprobs is None else logprobs[: len(delta.new_token_ids)]
+                    deltas.append(delta)
             if request.is_finished:
                 self._forget_if_done(request)
         self.num_output_tokens += sum(len(d.new_token_ids) for d in deltas)
@@ -482,11 +485,13 @@ class Scheduler:
 
     def _logprobs(self, output: ModelRunnerOutput) -> dict[str, tuple[list[TokenLogprobs] | None, list | None]]:
         """Before a step is applied: each prompt chunk's logprobs added to its request's, and per request
-        that samples a token with logprobs asked, what its delta carries (the token's logprobs; the
+        that samples with logprobs asked, what its delta carries (its tokens' logprobs, one each; the
         whole prompt's on its first token)."""
         found: dict[str, tuple[list[TokenLogprobs] | None, list | None]] = {}
         requests = self.requests
-        sample = output.logprobs or [None] * len(output.req_ids)
+        sample = output.spec_logprobs  # speculative: per row, one per token of its run
+        if sample is None:
+            sample = [None if lp is None else [lp] for lp in output.logprobs or [None] * len(output.req_ids)]
         chunks = output.prompt_logprobs or [None] * len(output.req_ids)
         for req_id, logprobs, chunk in zip(output.req_ids, sample, chunks, strict=True):
             request = requests.get(req_id)
@@ -498,7 +503,7 @@ class Scheduler:
                 request.prompt_logprobs.extend(chunk)
             prompt = request.prompt_logprobs if not request.output_token_ids else None  # before its first token
             if logprobs is not None or prompt is not None:
-                found[req_id] = ([logprobs] if logprobs is not None else None, prompt)
+                found[req_id] = (logprobs, prompt)
         return found
 
     def _release_slot(self, request: Request) -> None:

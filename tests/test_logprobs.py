@@ -173,12 +173,3 @@ def test_logprobs_are_taken_before_the_penalties(checkpoint):
     for i, (token, lp) in enumerate(zip(out.output_token_ids, out.logprobs, strict=True)):
         assert_position(lp, ref[len(prompt) - 1 + i], token, 1)
     assert any(lp.rank > 1 for lp in out.logprobs)  # the penalties moved the pick off the raw argmax
-
-
-def test_logprobs_are_refused_under_speculative_decoding_naming_the_field():
-    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
-    with LLM("tiny-llama", device="cpu-inprocess", speculative_config=spec, max_model_len=64) as llm:
-        asks, plain = SamplingParams(max_tokens=2, logprobs=1), SamplingParams(max_tokens=2)
-        outs = llm.generate([PromptRequest([5, 6, 7], asks), PromptRequest([5, 6, 7], plain)])
-    assert outs[0].finish_reason == "error" and outs[0].error.startswith("logprobs:"), outs[0].error
-    assert outs[1].finish_reason == "length"

@@ -11,6 +11,10 @@ in one transfer and one materialization: column 0 is the sampled tokens (a later
 as its input ids, `StepProgram` reads column 0), the other columns are float32 bits (`LogprobsLayout`):
 the sampled token's block, then one block per prompt position of the row's chunk. Token ids and ranks
 ride in float32, exact below 2**24 (`MAX_VOCAB`).
+
+A speculative step (`model/spec_decode.py`) emits up to 1 + k tokens per row: its token columns come
+first (`[B, 1 + k]`, draft_model: then `next_input`), then one sampled-token block per verified
+position (`LogprobsLayout.sampled`), each of the token emitted there, then the prompt blocks.
 """
 
 from __future__ import annotations
@@ -38,9 +42,12 @@ def position_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> t
 
 
 def pack_output(tokens: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
-    """int32 `[B, 1 + width]`: the tokens `[B]`, then each float32 block `[B, w]` as its bits."""
+    """int32 `[B, T + width]`: the tokens (`[B]`, or `[B, T]` columns of them), then each float32
+    block `[B, ...]` as its bits."""
+    columns = tokens.to(torch.int32)
+    columns = columns.unsqueeze(1) if columns.dim() == 1 else columns
     bits = torch.cat([b.reshape(b.shape[0], -1) for b in blocks], dim=1).contiguous().view(torch.int32)
-    return torch.cat([tokens.to(torch.int32).unsqueeze(1), bits], dim=1)
+    return torch.cat([columns, bits.to(columns.device)], dim=1)
 
 
 @dataclass(frozen=True)
@@ -50,24 +57,28 @@ class LogprobsLayout:
     sample_top: int  # top tokens per sampled token; -1: no sampled-token block
     prompt_top: int  # top tokens per prompt position; -1: no prompt blocks
     length: int  # L: prompt positions per row (the step's padded tokens per row)
+    sampled: int = 1  # sampled-token blocks per row: 1, or a spec step's 1 + k verified positions
 
     @property
     def sample_width(self) -> int:
-        return block_width(self.sample_top) if self.sample_top >= 0 else 0
+        return self.sampled * block_width(self.sample_top) if self.sample_top >= 0 else 0
 
     @property
     def width(self) -> int:
         prompt = self.length * block_width(self.prompt_top) if self.prompt_top >= 0 else 0
         return self.sample_width + prompt
 
-    def split(self, output: torch.Tensor) -> tuple[list[int], np.ndarray, np.ndarray]:
-        """The host copy `[B, 1 + width]` as (tokens, sampled-token blocks float32 `[B, sample_width]`,
-        prompt blocks float32 `[B, L, block]`; empty where the step has none)."""
+    def split(self, output: torch.Tensor, token_columns: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The host copy `[B, T + width]` (T = `token_columns`) as (the token columns int32 `[B, T]`,
+        sampled-token blocks float32 `[B, sampled, block]`, prompt blocks float32 `[B, L, block]`;
+        empty where the step has none)."""
         host = output.to(torch.int32).numpy()  # a device may widen the integer type; the bits are int32's
         rows = host.shape[0]
-        values = np.ascontiguousarray(host[:, 1:]).view(np.float32)  # [B, width]
+        values = np.ascontiguousarray(host[:, token_columns:]).view(np.float32)  # [B, width]
         sample = values[:, : self.sample_width]
+        if self.sample_top >= 0:
+            sample = sample.reshape(rows, self.sampled, block_width(self.sample_top))
         prompt = values[:, self.sample_width :]
         if self.prompt_top >= 0:
-            prompt = prompt.reshape(rows, self.length, -1)
-        return host[:, 0].tolist(), sample, prompt
+            prompt = prompt.reshape(rows, self.length, block_width(self.prompt_top))
+        return host[:, :token_columns], sample, prompt

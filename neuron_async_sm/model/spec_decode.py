@@ -13,6 +13,11 @@ position would have without speculation, the drafts before it included: the forw
 token history (`TokenHistory`) at every position of the row, drafts too, and position c counts the
 row's tokens up to its own; its output index is the row's plus c.
 
+Logprobs (`sample_logprobs`, `prompt_logprobs`): an emitted token's are an ordinary step's at its
+position, vLLM's raw logprobs (model/logprobs.py): the target's logits there before any processing,
+whether the token is an accepted draft, the recovered token or the bonus. Packed after the token
+columns, one block per verified position (past a row's run: unread), then the prompt blocks.
+
 KV of rejected drafts: written at positions past the request's accepted tokens. No later query
 attends to them (a query attends to positions up to its own), and the request's next row starts at
 its last accepted token, so it overwrites them before any query could reach them.
@@ -33,6 +38,7 @@ import torch
 from neuron_async_sm.model.drafter import Drafter
 from neuron_async_sm.model.inputs import SamplingInputs
 from neuron_async_sm.model.logits_processors import parts_used, process_logits
+from neuron_async_sm.model.logprobs import block_width, pack_output, position_logprobs
 from neuron_async_sm.model.packed import PackedBatch
 from neuron_async_sm.model.program import StepProgram
 from neuron_async_sm.model.sampler import _below_min_p, _filtered_out, sample_tokens, uniform_noise
@@ -132,10 +138,14 @@ class SpecStepProgram:
     `[B, W]`, the row's last accepted token and the k drafts the drafter proposed after it (-1 past
     them: none for a row without tokens, fewer where they would pass max_model_len).
 
-    `drafted_input` (optional, draft_model): the previous call's output `[B, 2W]` (a future, the same
+    `drafted_input` (optional, draft_model): the previous call's output `[B, 2W + ...]` (a future, the same
     rows in the same order). Every real row then computes on its `next_input`: the last accepted token
     and its first num_drafts drafts (fewer where the drafter proposed fewer), at the device's
     positions; the host's input_ids and positions of those rows are placeholders.
+
+    With logprobs asked (`sample_logprobs`, `prompt_logprobs` with `prompt_targets`, host inputs as
+    the step program takes them) their float32 bits follow those columns: W blocks per row, then L
+    prompt blocks per row (`LogprobsLayout` with `sampled` = W).
     """
 
     def __init__(self, program: StepProgram, width: int, drafter: Drafter | None = None) -> None:
@@ -155,6 +165,9 @@ class SpecStepProgram:
         slot_ids: torch.Tensor,
         num_drafts: torch.Tensor,
         drafted_input: torch.Tensor | None = None,
+        sample_logprobs: torch.Tensor | None = None,
+        prompt_logprobs: torch.Tensor | None = None,
+        prompt_targets: torch.Tensor | None = None,
         **inputs: torch.Tensor,  # the five SamplingInputs, then logits processing's
     ) -> torch.Tensor:
         program, width = self.program, self.width
@@ -177,6 +190,7 @@ class SpecStepProgram:
         host_ids = ids.numpy().astype(np.int64)
         draft_ids = np.where(real, host_ids[np.arange(rows)[:, None], np.minimum(cols + 1, length - 1)], -1)
         at = np.minimum(cols, np.maximum(lens - 1, 0)[:, None])  # [B, W] positions past a row's end: its last
+        columns = width * (1 if self.drafter is None else 2)  # the tokens (draft_model: then next_input)
         with program._no_autograd():
             batch = program._prepare(ids, pos, query_lens, slot_ids)
             dev = program.device
@@ -186,14 +200,19 @@ class SpecStepProgram:
                 program._write_history(batch)
             if isinstance(batch, PackedBatch):
                 if batch.input_ids.numel() == 0:  # all padding: nothing ran (nor drafted: next_input -1 too)
-                    return torch.full((rows, width * (1 if self.drafter is None else 2)), -1, dtype=torch.int32)
+                    empty = torch.full((rows, columns), -1, dtype=torch.int32)
+                    return self._with_logprobs(empty, None, None, sample_logprobs, prompt_logprobs, length)
                 starts = np.cumsum(lens) - lens
                 hidden = program.model.hidden_states(batch, program.kv_cache)  # [N, hidden]
                 picked = hidden[torch.from_numpy(np.where(lens[:, None] > 0, starts[:, None] + at, 0)).to(dev)]
             else:
                 hidden = program.model.hidden_states(batch, program.kv_cache)  # [B, L, hidden]
                 picked = hidden[torch.arange(rows, device=dev).unsqueeze(1), torch.from_numpy(at).to(dev)]
-            logits = program.model.logits_of(picked)  # [B, W, vocab]
+            logits = raw = program.model.logits_of(picked)  # [B, W, vocab]; raw: what logprobs are of
+            prompt_block = None
+            if prompt_logprobs is not None:  # every token's logits (packed [N, vocab], or [B, L, vocab])
+                every = program.model.logits_of(hidden)
+                prompt_block = program._prompt_block(raw, every, query_lens, prompt_logprobs, prompt_targets)
             if processed is not None:
                 first_pos = pos.numpy()[np.arange(rows), np.minimum(first, length - 1)].astype(np.int64)  # [B]
                 logits = self._process(logits, processed, parts, slot_ids, first_pos, lens, output_index)
@@ -223,12 +242,44 @@ class SpecStepProgram:
             start = pos.numpy()[:, 0].astype(np.int64)  # [B] the row's first position
             real = lens > 0
             self.slot_len[slot_ids.numpy()[real]] = (start + chunk_lens)[real]
-            if drafter is None:
-                return out
-            drafts = self._draft(
-                drafter, host_out, accepted, chunk_lens, start, host_ids, lens, slot_ids, output_index, sampling
-            )
-            return torch.cat([out, drafts.to(out.device)], 1)
+            if drafter is not None:
+                drafts = self._draft(
+                    drafter, host_out, accepted, chunk_lens, start, host_ids, lens, slot_ids, output_index, sampling
+                )
+                out = torch.cat([out, drafts.to(out.device)], 1)
+            return self._with_logprobs(out, raw, prompt_block, sample_logprobs, prompt_logprobs, length)
+
+    def _with_logprobs(
+        self,
+        out: torch.Tensor,
+        raw: torch.Tensor | None,
+        prompt_block: torch.Tensor | None,
+        sample_logprobs: torch.Tensor | None,
+        prompt_logprobs: torch.Tensor | None,
+        length: int,
+    ) -> torch.Tensor:
+        """`out` int32 `[B, columns]` (its first W columns the emitted tokens, -1 past each run), then,
+        when asked, the logprobs' bits: per verified position the logprobs of the token emitted there
+        from `raw` `[B, W, vocab]`, then `prompt_block` `[B, L * w]`. raw None: an all-padding step,
+        whose blocks are zeros (never read)."""
+        if sample_logprobs is None and prompt_logprobs is None:
+            return out
+        rows, width = out.shape[0], self.width
+        blocks = []
+        if sample_logprobs is not None:
+            top = int(sample_logprobs[0])  # a host value: no device sync
+            if raw is None:
+                blocks.append(torch.zeros(rows, width * block_width(top)))
+            else:
+                # Hazard: misplaced logprobs. Block c is the logprobs at position c of the token emitted
+                # there (-1 past the run: 0, unread), never a rejected draft's.
+                emitted = out[:, :width].long().clamp(min=0).reshape(-1).to(raw.device)  # [B*W]
+                lp = position_logprobs(raw.reshape(rows * width, -1), emitted, top)  # [B*W, w]
+                blocks.append(lp.reshape(rows, -1))
+        if prompt_logprobs is not None:
+            top = int(prompt_logprobs[0])
+            blocks.append(torch.zeros(rows, length * block_width(top)) if prompt_block is None else prompt_block)
+        return pack_output(out, blocks)
 
     def _fed(
         self,
@@ -245,12 +296,13 @@ class SpecStepProgram:
         width = self.width
         rows, length = ids.shape
         future = drafted_input.cpu().numpy().astype(np.int64)  # eager program: a computed value
-        if future.shape != (rows, 2 * width):
-            raise ValueError(f"drafted_input {future.shape} must be [{rows}, {2 * width}]: the previous call's output")
+        # The previous call's output: tokens, next_input, then logprobs' bits when it had them (unread here).
+        if future.shape[0] != rows or future.shape[1] < 2 * width:
+            raise ValueError(f"drafted_input {future.shape} must be [{rows}, >= {2 * width}]: the previous output")
         # Hazard: a draft as input (the production runner's garbage tokens at the spec -> non-spec switch).
         # Column 0 is each row's last accepted token, the drafts follow it: a row with no drafts (SpecExit)
         # reads column 0 alone, never column k (the last draft) nor the tokens' -1 (NextInputInv).
-        next_input = future[:, width:]  # [B, W]
+        next_input = future[:, width : 2 * width]  # [B, W]
         real = lens > 0
         if (next_input[real, 0] < 0).any():
             raise ValueError(f"drafted_input: a fed row has no last accepted token ({next_input[:, 0].tolist()})")

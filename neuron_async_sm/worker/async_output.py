@@ -39,6 +39,7 @@ class AsyncModelRunnerOutput:
         host_sampler: Callable[[torch.Tensor], torch.Tensor] | None = None,
         logprobs: StepLogprobs | None = None,
         spec_width: int = 0,
+        next_input: bool = False,
     ) -> None:
         self.snapshot = snapshot
         # Sampled token ids, [padded rows] int32, still on the device: the next step may feed on it.
@@ -48,8 +49,10 @@ class AsyncModelRunnerOutput:
         self.future = future
         self._host_sampler = host_sampler
         self._logprobs = logprobs
-        # draft_model: W = 1 + k; the future is [rows, 2W], the tokens then next_input. 0: no next_input.
+        # Speculative decoding: W = 1 + k (0: none); the future is [rows, W] tokens, -1 after each row's
+        # run, then (draft_model, `next_input`) [rows, W] next_input, then the logprobs' bits when asked.
         self._spec_width = spec_width
+        self._next_input = next_input
         self._batch = batch  # the worker's CPU token state: it applies the tokens (InputBatch.write_back)
         self._tracer = tracer
         self._lock = threading.Lock()
@@ -68,7 +71,7 @@ class AsyncModelRunnerOutput:
     def drafted(self) -> bool:
         """The draft_model spec program made it: it carries next_input (every row: column 0 its last
         accepted token, then the drafts proposed after it)."""
-        return self._spec_width > 0
+        return self._next_input
 
     @property
     def step_id(self) -> int:
@@ -92,18 +95,24 @@ class AsyncModelRunnerOutput:
                 host = self.future.to_host()  # blocks until the program ran; re-raises its error
             if self._host_sampler is not None:
                 host = self._host_sampler(host)
-            logprobs = prompt_logprobs = runs = next_input = None
-            if self._logprobs is not None:  # read in the same materialization as the tokens
+            logprobs = prompt_logprobs = spec_logprobs = runs = next_input = None
+            if self._spec_width:  # per row its accepted drafts and one more token, then -1
+                width = self._spec_width
+                columns = width * (2 if self._next_input else 1)
+                rows = host[: len(snapshot.req_ids), :columns].tolist()  # ints; no torch slice per row
+                if self._next_input:  # draft_model: the tokens, then next_input
+                    next_input = [row[width:] for row in rows]
+                    rows = [row[:width] for row in rows]
+                runs = [row[: row.index(-1)] if -1 in row else row for row in rows]
+                tokens = [run[0] for run in runs]
+                if self._logprobs is not None:  # read in the same materialization as the tokens
+                    positions = snapshot.sample_positions
+                    spec_logprobs, prompt_logprobs = self._logprobs.read_runs(host, columns, runs, positions)
+                    logprobs = [None if row is None else row[0] for row in spec_logprobs]
+            elif self._logprobs is not None:  # read in the same materialization as the tokens
                 tokens, logprobs, prompt_logprobs = self._logprobs.read(host, snapshot.sample_positions)
             else:
-                rows = host.tolist()[: len(snapshot.req_ids)]  # ints (an integer tensor); no torch slice
-                if self._spec_width:  # draft_model: the tokens, then next_input
-                    next_input = [row[self._spec_width :] for row in rows]
-                    rows = [row[: self._spec_width] for row in rows]
-                if host.dim() == 2:  # speculative: per row its accepted drafts and one more token, then -1
-                    runs = [row[: row.index(-1)] if -1 in row else row for row in rows]
-                    rows = [run[0] for run in runs]
-                tokens = rows
+                tokens = host.tolist()[: len(snapshot.req_ids)]  # ints (an integer tensor); no torch slice
             self._tracer.observer.write_back(snapshot, tokens)
             # Inside the lock: a thread that asks second returns only once the batch holds the tokens.
             if runs is None:
@@ -111,7 +120,7 @@ class AsyncModelRunnerOutput:
             else:
                 self._batch.write_runs(snapshot, runs, next_input)
             self._result = ModelRunnerOutput(
-                snapshot.step_id, list(snapshot.req_ids), tokens, runs, logprobs, prompt_logprobs
+                snapshot.step_id, list(snapshot.req_ids), tokens, runs, logprobs, prompt_logprobs, spec_logprobs
             )
         except BaseException as exc:  # surfaced to every caller, never swallowed
             self._error = exc

@@ -119,7 +119,10 @@ def build_spec_model_input(
         output_index[i] -= n  # the token sampled at the row's first position, x0's successor
         positions[i] -= n  # x0's successor's position: the run is written from there
     inputs = {**model_input.inputs, "input_ids": ids, "output_index": output_index, "num_drafts": num_drafts}
-    model_input = dataclasses.replace(model_input, sample_positions=tuple(positions), inputs=inputs)
+    logprobs = model_input.logprobs
+    if logprobs is not None and logprobs.layout.sample_top >= 0:  # a block per verified position (1 + k)
+        logprobs = dataclasses.replace(logprobs, layout=dataclasses.replace(logprobs.layout, sampled=spec.width))
+    model_input = dataclasses.replace(model_input, sample_positions=tuple(positions), inputs=inputs, logprobs=logprobs)
     return model_input, DraftedRows(scheduled.step_id, starts, drafts)
 
 

@@ -204,7 +204,10 @@ class ModelRunner:
         num_rows = rows.shape[0] if spec is None else model_input.num_rows  # B (a spec step's shape is rebuilt)
         split, mask = self._launch(scheduled, obs, trace, model_input)
         if spec is not None:  # accepted tokens [B, 1 + k], -1 after each row's run (draft_model: then next_input)
-            out = TensorSpec((num_rows, spec.width * (2 if spec.method == "draft_model" else 1)), SAMPLED_DTYPE)
+            columns = spec.width * (2 if spec.method == "draft_model" else 1)
+            if model_input.logprobs is not None:  # then the logprobs' float32 bits
+                columns += model_input.logprobs.layout.width
+            out = TensorSpec((num_rows, columns), SAMPLED_DTYPE)
             future = self.runtime.enqueue(SPEC_STEP_PROGRAM, {**model_input.inputs, **fed}, out)
         elif split:  # SampleDeferred: the forward now; sample_tokens samples its logits under the mask
             # The prompt's logprob blocks, when asked, come after each row's logits (StepProgram.forward_logits).
@@ -293,9 +296,15 @@ class ModelRunner:
             mask, sample = executed.token_bitmask, host_sampler
             host_sampler = lambda logits: sample(apply_token_bitmask(logits, mask))  # noqa: E731
         spec = self.config.speculative_config
-        spec_width = spec.width if spec is not None and spec.method == "draft_model" else 0
         output = AsyncModelRunnerOutput(
-            snapshot, executed.future, self.batch, self.tracer, host_sampler, logprobs, spec_width
+            snapshot,
+            executed.future,
+            self.batch,
+            self.tracer,
+            host_sampler,
+            logprobs,
+            spec_width=0 if spec is None else spec.width,
+            next_input=spec is not None and spec.method == "draft_model",
         )
         if not self.use_async_scheduling:
             # Normal Flow: block on the host copy (a non-output rank's is dropped unread).

@@ -45,26 +45,47 @@ class StepLogprobs:
     ) -> tuple[list[int], list[TokenLogprobs | None], list[list[TokenLogprobs] | None] | None]:
         """The host copy of the packed output `[B, 1 + width]` as (tokens `[R]`, per row the sampled
         token's logprobs, per row its chunk's prompt logprobs; None where the step computed none)."""
-        num_rows = len(sample_positions)
-        tokens, sample, prompt = self.layout.split(output)
-        tokens = tokens[:num_rows]
-        logprobs: list[TokenLogprobs | None] = [None] * num_rows
-        if self.layout.sample_top >= 0:
-            width = self.layout.sample_top
-            for row in np.flatnonzero(self.sample_counts >= 0).tolist():
-                if sample_positions[row] is not None:  # a partial prefill chunk samples nothing
-                    logprobs[row] = _position(tokens[row], sample[row], width, int(self.sample_counts[row]))
-        prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
-        if self.prompt_valid is not None and self.prompt_targets is not None:
-            width = self.layout.prompt_top
-            prompt_logprobs = [None] * num_rows
-            for row in np.flatnonzero(self.prompt_counts >= 0).tolist():
-                count, targets = int(self.prompt_counts[row]), self.prompt_targets[row]
-                prompt_logprobs[row] = [
-                    _position(int(targets[j]), prompt[row, j], width, count)
-                    for j in np.flatnonzero(self.prompt_valid[row]).tolist()
-                ]
-        return tokens, logprobs, prompt_logprobs
+        columns, sample, prompt = self.layout.split(output)
+        tokens = columns[: len(sample_positions), 0].tolist()
+        runs = self._sampled(sample, [[t] for t in tokens], sample_positions)
+        logprobs = [None if run is None else run[0] for run in runs]
+        return tokens, logprobs, self._prompt(prompt, len(sample_positions))
+
+    def read_runs(
+        self, output: torch.Tensor, token_columns: int, runs: list[list[int]], sample_positions: tuple[int | None, ...]
+    ) -> tuple[list[list[TokenLogprobs] | None], list[list[TokenLogprobs] | None] | None]:
+        """A speculative step's: the host copy `[B, token_columns + width]` (its token columns first) and
+        each row's run (accepted drafts, then one more) as (per row one TokenLogprobs per token of its
+        run, per row its chunk's prompt logprobs; None where the step computed none)."""
+        _, sample, prompt = self.layout.split(output, token_columns)
+        return self._sampled(sample, runs, sample_positions), self._prompt(prompt, len(sample_positions))
+
+    def _sampled(
+        self, sample: np.ndarray, runs: list[list[int]], sample_positions: tuple[int | None, ...]
+    ) -> list[list[TokenLogprobs] | None]:
+        """Per row, the logprobs of each token its run emitted (block j: the run's token j)."""
+        found: list[list[TokenLogprobs] | None] = [None] * len(sample_positions)
+        if self.layout.sample_top < 0:
+            return found
+        width = self.layout.sample_top
+        for row in np.flatnonzero(self.sample_counts >= 0).tolist():
+            if sample_positions[row] is not None:  # a partial prefill chunk samples nothing
+                count = int(self.sample_counts[row])
+                found[row] = [_position(token, sample[row, j], width, count) for j, token in enumerate(runs[row])]
+        return found
+
+    def _prompt(self, prompt: np.ndarray, num_rows: int) -> list[list[TokenLogprobs] | None] | None:
+        if self.prompt_valid is None or self.prompt_targets is None:
+            return None
+        width = self.layout.prompt_top
+        prompt_logprobs: list[list[TokenLogprobs] | None] = [None] * num_rows
+        for row in np.flatnonzero(self.prompt_counts >= 0).tolist():
+            count, targets = int(self.prompt_counts[row]), self.prompt_targets[row]
+            prompt_logprobs[row] = [
+                _position(int(targets[j]), prompt[row, j], width, count)
+                for j in np.flatnonzero(self.prompt_valid[row]).tolist()
+            ]
+        return prompt_logprobs
 
 
 def _position(token: int, block: np.ndarray, width: int, count: int) -> TokenLogprobs:
