@@ -49,6 +49,9 @@ class SchedulerOutput:
     # Speculative decoding: request id -> drafts reserved for its row (its row computes 1 + that many
     # tokens); a request not here drafts nothing this step.
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding under a grammar (n-gram): request id -> the drafts the scheduler proposed and
+    # cut to their grammar-valid prefix (the mask's rows follow them); the worker verifies these.
+    draft_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Structured output: the requests of this step that sample under a live grammar (the machine's
     # `masked_req_ids`), and their bitmask when the scheduler could build it now (every one of their
     # grammars holds its request's newest token); None otherwise: the sampling is deferred.

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import replace
-from typing import TYPE_CHECKING
+
+import numpy as np
 
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.model.logprobs import MAX_VOCAB
@@ -31,10 +32,7 @@ from neuron_async_sm.request import FinishReason, Request, RequestStatus
 from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
 from neuron_async_sm.structured_output import GrammarBitmask, GrammarCompiler, dead_end
 from neuron_async_sm.values import is_int
-
-if TYPE_CHECKING:
-    import numpy as np
-
+from neuron_async_sm.worker.drafts import propose_ngram
 
 # Logits processing (model/logits_processors.py) and each parameter's "off" value.
 _PROCESSING_OFF = {
@@ -125,8 +123,13 @@ class Scheduler:
         request.max_outputs = min(params.max_tokens, self.config.max_model_len - len(prompt))
         request.max_computed_tokens = len(prompt) + request.max_outputs - 1
         if params.structured_outputs is not None:
-            if self.num_spec_tokens:  # verification samples no mask, and drafts would need the grammar's check
-                raise InvalidRequestError("structured_outputs: not supported with speculative decoding yet")
+            spec = self.config.speculative_config
+            if spec is not None and spec.method != "ngram":
+                # Its drafts are proposed on the device, past the host's grammar: none could be cut to
+                # the grammar's valid prefix before it is verified (docs/structured-output.md).
+                raise InvalidRequestError(
+                    f"structured_outputs: not supported with speculative_config method {spec.method!r} (ngram only)"
+                )
             if self.grammars is None:
                 raise InvalidRequestError("structured_outputs: this engine has no tokenizer to build a grammar over")
             request.grammar = self.grammars.matcher(params.structured_outputs)  # InvalidRequestError naming the field
@@ -200,6 +203,7 @@ class Scheduler:
         add_sampling = sampling.add
         k = self.num_spec_tokens
         drafts: dict[str, int] = {}
+        draft_ids: dict[str, tuple[int, ...]] = {}  # a masked request's grammar-valid drafts
 
         # One pass per running request, inlined: this loop is the scheduler's per-request cost on
         # every step (the rest of a step is O(changes)).
@@ -207,7 +211,7 @@ class Scheduler:
             req_id, computed = request.request_id, request.num_computed_tokens
             num_prompt = request.num_prompt_tokens
             if computed >= num_prompt and k:  # speculative decode: 1 + drafts tokens, which sample
-                n = self._spec_row(request, min(budget, 1 + k), done)
+                n = self._spec_row(request, min(budget, 1 + k), done, draft_ids)
                 if n:
                     budget -= n
                     num_scheduled[req_id] = n
@@ -292,24 +296,29 @@ class Scheduler:
             sampling_req_ids=frozenset(sampling),
             all_decode=all_decode,
             num_draft_tokens=drafts,
+            draft_token_ids=draft_ids,
             structured_output_req_ids=masked,
-            grammar_bitmask=self._bitmask_if_current(masked) if masked else None,
+            grammar_bitmask=self._bitmask_if_current(masked, draft_ids) if masked else None,
         )
         self._next_step_id += 1
         self._finished_since_schedule.clear()
         self._unapplied.append(output)
         return output
 
-    def _bitmask_if_current(self, masked: frozenset[str]) -> GrammarBitmask | None:
+    def _bitmask_if_current(
+        self, masked: frozenset[str], draft_ids: dict[str, tuple[int, ...]] | None = None
+    ) -> GrammarBitmask | None:
         """The step's bitmask, when every masked request's grammar holds its newest token: its only
-        placeholder is this step's own. Otherwise None: the worker defers the step's sampling.
+        placeholders are this step's own (1, or 1 + its drafts). Otherwise None: the worker defers the
+        step's sampling (never under speculation: a masked request waits for its step in flight).
 
         Hazard: stale mask. A mask built while a token is in flight would come from the grammar before it.
         """
-        requests = self.requests
-        if any(requests[r].num_output_placeholders != 1 for r in masked):
+        requests, draft_ids = self.requests, draft_ids or {}
+        if any(requests[r].num_output_placeholders != 1 + len(draft_ids.get(r, ())) for r in masked):
+            assert not self.num_spec_tokens, "a masked request under speculation runs one step at a time"
             return None
-        return self._bitmask(masked)
+        return self._bitmask(masked, draft_ids)
 
     def grammar_bitmask(self, scheduled: SchedulerOutput) -> GrammarBitmask:
         """The bitmask of `scheduled`'s masked rows from the grammars as they are now (a deferred step's,
@@ -317,30 +326,37 @@ class Scheduler:
         its token is discarded."""
         return self._bitmask(scheduled.structured_output_req_ids)
 
-    def _bitmask(self, masked: frozenset[str]) -> GrammarBitmask:
+    def _bitmask(self, masked: frozenset[str], draft_ids: dict[str, tuple[int, ...]] | None = None) -> GrammarBitmask:
         assert self.grammars is not None
         requests = self.requests
         live = [r for r in sorted(masked) if not requests[r].is_finished]
         matchers = [requests[r].grammar for r in live]
         grammar_tokens = tuple(len(requests[r].output_token_ids) for r in live)
-        bitmask = self.grammars.bitmask(matchers)  # [M, W]
+        if self.num_spec_tokens:  # one row per verified position: [M, 1 + k, W], from the drafts chosen
+            width, draft_ids = 1 + self.num_spec_tokens, draft_ids or {}
+            bitmask = np.zeros((len(live), width, self.grammars.words), dtype=np.int32)
+            for i, (req_id, matcher) in enumerate(zip(live, matchers, strict=True)):
+                bitmask[i] = self.grammars.draft_bitmask(matcher, draft_ids.get(req_id, ()), width)[1]
+        else:
+            bitmask = self.grammars.bitmask(matchers)  # [M, W]
         for i, req_id in enumerate(live):
             request = requests[req_id]
-            if request.grammar_dead_end is None:
-                request.grammar_dead_end = self._dead_end(request, bitmask[i])
+            if request.grammar_dead_end is None:  # row 0: the request's next output
+                request.grammar_dead_end = self._dead_end(request, bitmask[i] if bitmask.ndim == 2 else bitmask[i, 0])
             if request.grammar_dead_end is not None:
                 # Hazard: an empty mask. A row that may take no token would sample from logits that are
                 # all -inf; it samples unmasked instead, and its output finishes it with the error.
                 bitmask[i] = -1
         return GrammarBitmask(tuple(live), bitmask, grammar_tokens)
 
-    def _dead_end(self, request: Request, row: np.ndarray) -> str | None:
+    def _dead_end(self, request: Request, row: np.ndarray, ahead: int = 0) -> str | None:
         """Why `request` can sample no token under its mask row: the grammar allows none, or only tokens
-        its own parameters rule out for its next output (see `structured_output.dead_end`)."""
+        its own parameters rule out for its next output (see `structured_output.dead_end`); `ahead`:
+        the row is for the output that many after its next (a spec row's draft positions)."""
         params = request.sampling_params
         ruled_out: set[int] = set()
         why = []
-        if len(request.output_token_ids) < params.min_tokens and request.stop_token_set:
+        if len(request.output_token_ids) + ahead < params.min_tokens and request.stop_token_set:
             ruled_out |= request.stop_token_set
             why.append(f"min_tokens={params.min_tokens} holds back the stop tokens until {params.min_tokens} outputs")
         if params.ignore_eos:
@@ -409,13 +425,18 @@ class Scheduler:
 
     # -- speculative decoding (docs/spec-decode.md §3, §5) ------------------------------------------
 
-    def _spec_row(self, request: Request, most: int, done: list[Request]) -> int:
+    def _spec_row(self, request: Request, most: int, done: list[Request], draft_ids: dict[str, tuple[int, ...]]) -> int:
         """Tokens a decode row of `request` computes this step (1 + drafts; 0: not scheduled), at most
         `most`; advances its computed tokens and placeholders by as many, as if every draft is accepted.
 
         The host knows only bounds while rows are in flight: at least one token each (S rows), at most
         its placeholders (U = outputs + placeholders, the most the device may hold).
+        A request under a grammar runs one step at a time, its drafts chosen here (`_grammar_drafts`).
         """
+        if request.grammar is not None and request.num_output_placeholders:
+            # Hazard: stale mask, and unvalidated drafts. Its drafts and mask rows need its grammar to
+            # hold every token, and the n-gram every token of its history: it waits for its step in flight.
+            return 0
         outputs = len(request.output_token_ids)
         if outputs + request.num_sampling_in_flight >= request.max_outputs:
             # Its rows in flight surely reach max_tokens / max_model_len (each gives a token).
@@ -433,9 +454,26 @@ class Scheduler:
         n = min(most, 1 + self.num_spec_tokens) if request.speculating else min(most, 1)
         if n <= 0:
             return 0
+        if request.grammar is not None and n > 1:
+            draft_ids[request.request_id] = drafts = self._grammar_drafts(request, n - 1)
+            n = 1 + len(drafts)
         request.num_computed_tokens += n
         request.num_output_placeholders += n
         return n
+
+    def _grammar_drafts(self, request: Request, most: int) -> tuple[int, ...]:
+        """A masked request's n-gram drafts (at most `most`) from its whole history, cut to the prefix its
+        grammar accepts (vLLM's update_draft_token_ids / validate_tokens) and before a draft after which
+        the request could sample no token (a dead end under its mask row)."""
+        spec, grammars = self.config.speculative_config, self.grammars
+        assert spec is not None and grammars is not None and request.grammar is not None
+        history = [*request.prompt_token_ids, *request.output_token_ids]
+        proposed = propose_ngram(history, most, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        valid, rows = grammars.draft_bitmask(request.grammar, proposed, 1 + len(proposed))
+        for j in range(1, len(valid) + 1):
+            if self._dead_end(request, rows[j], ahead=j) is not None:
+                return tuple(valid[: j - 1])
+        return tuple(valid)
 
     def _update_spec(self, scheduled: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestDelta]:
         """`update_from_output` for speculative steps: each sampling row gives its run (accepted drafts,
@@ -455,7 +493,11 @@ class Scheduler:
                 assert request.num_output_placeholders >= 0, (req_id, request.num_output_placeholders)
                 request.num_computed_tokens -= reserved - (len(run) - 1)  # the rejected drafts
                 self.num_accepted_tokens += len(run) - 1
-                if not request.is_finished:
+                if not request.is_finished and request.grammar_dead_end is not None:
+                    # Its row sampled unmasked (its grammar allowed it no token): never emit that run.
+                    self._finish(request, FinishReason.ERROR, error=request.grammar_dead_end)
+                    deltas.append(RequestDelta(req_id, [], FinishReason.ERROR.value, request.grammar_dead_end))
+                elif not request.is_finished:
                     delta = self._append_run(request, run)
                     if asked and (found := asked.get(req_id)) is not None:
                         logprobs, delta.prompt_logprobs = found
@@ -470,6 +512,12 @@ class Scheduler:
     def _append_run(self, request: Request, run: list[int]) -> RequestDelta:
         outputs = request.output_token_ids
         for i, token in enumerate(run):
+            # Hazard: grammar ownership. Only a delivered token advances the grammar, in order.
+            if request.grammar is not None and not request.grammar.consume_token(token):
+                error = f"structured output: the grammar rejected token {token} ({request.grammar.get_error()})"
+                request.num_computed_tokens -= len(run) - i
+                self._finish(request, FinishReason.ERROR, error=error)
+                return RequestDelta(request.request_id, run[:i], FinishReason.ERROR.value, error)
             outputs.append(token)
             if token in request.stop_token_set:
                 reason = FinishReason.STOP

@@ -135,6 +135,24 @@ class GrammarCompiler:
             raise InvalidRequestError(f"{params.error_field}: {matcher.get_error()}")
         return matcher
 
+    def draft_bitmask(self, matcher: LLMatcher, drafts: Sequence[int], width: int) -> tuple[list[int], np.ndarray]:
+        """Speculative decoding: the grammar-valid prefix of a row's `drafts` (vLLM's `validate_tokens`),
+        and its mask int32 `[width, W]`: row j from the state after drafts 0..j-1, so row j constrains
+        the token sampled at the position that verifies draft j (or, past the last one, the bonus); rows
+        past that allow every token (nothing sampled there is emitted). The matcher is left as it was
+        (rolled back): only emitted tokens advance a grammar."""
+        from llguidance.numpy import fill_next_token_bitmask  # noqa: PLC0415
+
+        valid = list(drafts[: matcher.validate_tokens(list(drafts))]) if drafts else []
+        out = np.full((width, self.words), -1, dtype=np.int32)  # [width, W]
+        fill_next_token_bitmask(matcher, out, 0)
+        for j, token in enumerate(valid):
+            assert matcher.consume_token(token), "a validated draft is accepted"
+            fill_next_token_bitmask(matcher, out, j + 1)
+        if valid:
+            matcher.rollback(len(valid))
+        return valid, out
+
     def bitmask(self, matchers: Sequence[LLMatcher]) -> np.ndarray:
         """int32 `[len(matchers), W]`: row i allows the tokens matcher i accepts next."""
         from llguidance.numpy import fill_next_token_bitmask  # noqa: PLC0415
@@ -171,12 +189,13 @@ class GrammarBitmask:
     scatters it into its own row order (hazard: mask ownership, `MCMaskByRow`)."""
 
     req_ids: tuple[str, ...]
-    bitmask: np.ndarray  # int32 [len(req_ids), W]
+    bitmask: np.ndarray  # int32 [len(req_ids), W]; speculative decoding: [len(req_ids), 1 + k, W]
     grammar_tokens: tuple[int, ...]  # per row: tokens its grammar had accepted when the mask was built
 
     def rows(self, order: Sequence[str], num_rows: int) -> np.ndarray:
-        """int32 `[num_rows, W]` in the batch's row `order` (rows past it, padding: all allowed)."""
-        out = np.full((num_rows, self.bitmask.shape[1]), -1, dtype=np.int32)  # [B, W]
+        """int32 `[num_rows, W]` (speculative: `[num_rows, 1 + k, W]`) in the batch's row `order` (rows
+        past it, padding: all allowed)."""
+        out = np.full((num_rows, *self.bitmask.shape[1:]), -1, dtype=np.int32)  # [B, W] or [B, 1 + k, W]
         index = {req_id: i for i, req_id in enumerate(self.req_ids)}
         for row, req_id in enumerate(order):
             i = index.get(req_id)

@@ -390,10 +390,3 @@ def test_bench_constrains_the_fraction_asked_spread_over_the_workload():
     assert len(BENCH_CONSTRAINTS) == 3
     with pytest.raises(ValueError, match="constrained_fraction"):
         with_constraints(workload, 1.5)
-
-
-def test_a_grammar_under_speculative_decoding_is_refused_naming_the_field(model):
-    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
-    with LLM(model, **{**ENGINE, "speculative_config": spec}) as llm:
-        with pytest.raises(InvalidRequestError, match="^structured_outputs: not supported with speculative decoding"):
-            llm.add_request([1, 5], SamplingParams(structured_outputs={"regex": "a+"}))

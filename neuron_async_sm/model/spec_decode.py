@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from neuron_async_sm.model.drafter import Drafter
+from neuron_async_sm.model.grammar_mask import apply_token_bitmask
 from neuron_async_sm.model.inputs import SamplingInputs
 from neuron_async_sm.model.logits_processors import parts_used, process_logits
 from neuron_async_sm.model.logprobs import block_width, pack_output, position_logprobs
@@ -146,6 +147,10 @@ class SpecStepProgram:
     With logprobs asked (`sample_logprobs`, `prompt_logprobs` with `prompt_targets`, host inputs as
     the step program takes them) their float32 bits follow those columns: W blocks per row, then L
     prompt blocks per row (`LogprobsLayout` with `sampled` = W).
+
+    `token_bitmask` (structured output, n-gram): int32 `[B, W, words]`, row c of a row from its grammar
+    after its first c drafts (the scheduler's, cut to the grammar-valid prefix): the mask of position
+    c, applied after logits processing as the step program applies its own.
     """
 
     def __init__(self, program: StepProgram, width: int, drafter: Drafter | None = None) -> None:
@@ -168,6 +173,7 @@ class SpecStepProgram:
         sample_logprobs: torch.Tensor | None = None,
         prompt_logprobs: torch.Tensor | None = None,
         prompt_targets: torch.Tensor | None = None,
+        token_bitmask: torch.Tensor | None = None,
         **inputs: torch.Tensor,  # the five SamplingInputs, then logits processing's
     ) -> torch.Tensor:
         program, width = self.program, self.width
@@ -216,6 +222,9 @@ class SpecStepProgram:
             if processed is not None:
                 first_pos = pos.numpy()[np.arange(rows), np.minimum(first, length - 1)].astype(np.int64)  # [B]
                 logits = self._process(logits, processed, parts, slot_ids, first_pos, lens, output_index)
+            if token_bitmask is not None:  # int32 [B, W, words]: row c constrains the token sampled at position c
+                flat = apply_token_bitmask(logits.reshape(rows * width, -1), token_bitmask.reshape(rows * width, -1))
+                logits = flat.reshape(rows, width, -1)
             sampling = dict(
                 temperature=temperature.to(dev),
                 top_k=top_k.to(dev),

@@ -92,6 +92,9 @@ def build_spec_model_input(
             start, proposed = computed[req_id], (0,) * (counts[req_id] - 1)
         elif drafted is not None:  # a non-output rank: its batch holds neither the history nor the count
             start, proposed = drafted.start[req_id], drafted.drafts[req_id]
+        elif req_id in scheduled.draft_token_ids:  # under a grammar: the scheduler's, cut to the valid prefix
+            # Hazard: an unvalidated draft. The mask's rows follow exactly these drafts.
+            start, proposed = int(batch.num_tokens[state.kv_slot]) - 1, scheduled.draft_token_ids[req_id]
         else:
             # Hazard: stale positions. The scheduler's count is optimistic (drafts in flight counted
             # as accepted); the batch's count after materialization is the truth.

@@ -208,7 +208,7 @@ class ModelRunner:
             if model_input.logprobs is not None:  # then the logprobs' float32 bits
                 columns += model_input.logprobs.layout.width
             out = TensorSpec((num_rows, columns), SAMPLED_DTYPE)
-            future = self.runtime.enqueue(SPEC_STEP_PROGRAM, {**model_input.inputs, **fed}, out)
+            future = self.runtime.enqueue(SPEC_STEP_PROGRAM, {**model_input.inputs, **fed, **mask}, out)
         elif split:  # SampleDeferred: the forward now; sample_tokens samples its logits under the mask
             # The prompt's logprob blocks, when asked, come after each row's logits (StepProgram.forward_logits).
             layout = model_input.logprobs.layout if model_input.logprobs is not None else None
@@ -265,10 +265,10 @@ class ModelRunner:
             masks = [[r, n, index[row[r]]] for r, n in zip(bitmask.req_ids, bitmask.grammar_tokens, strict=True)]
             self.tracer.event("mask", step=step_id, masks=masks)
         # Hazard: mask ownership. Scattered by request id into the rows as this step orders them.
-        rows = bitmask.rows(model_input.req_ids, model_input.num_rows)  # [B, W]
+        rows = bitmask.rows(model_input.req_ids, model_input.num_rows)  # [B, W] (speculative: [B, 1 + k, W])
         # Hazard: an empty mask. A row that allows no token would sample from logits that are all -inf;
         # the scheduler gives a dead end's row all ones (and finishes the request) instead.
-        assert rows.any(axis=1).all(), f"step {step_id}: a bitmask row allows no token"
+        assert rows.any(axis=-1).all(), f"step {step_id}: a bitmask row allows no token"
         return {"token_bitmask": torch.from_numpy(rows)}
 
     def _sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> ModelRunnerOutput | AsyncModelRunnerOutput:

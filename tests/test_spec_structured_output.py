@@ -1,0 +1,113 @@
+"""Structured output under n-gram speculation (docs/structured-output.md, docs/spec-decode.md §12):
+the scheduler cuts a masked request's drafts to their grammar-valid prefix and builds one mask row per
+verified position; constrained outputs satisfy their grammars, async equals sync (seeded, temperature
+1.0), greedy equals no speculation; draft_model with a grammar is refused by name.
+
+The model is test_structured_output.py's random Llama over a trained byte-level BPE: its JSON, regex,
+choice and Lark outputs repeat their own syntax, so n-gram lookup proposes drafts the grammar both
+accepts and rejects.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from support.grammar_model import CONSTRAINTS, VOCAB_SIZE, write_json_model
+from tokenizers import Tokenizer
+
+from neuron_async_sm import LLM, InvalidRequestError, SamplingParams
+from neuron_async_sm.engine.llm import PromptRequest
+from neuron_async_sm.structured_output import GrammarCompiler
+
+llguidance = pytest.importorskip("llguidance")
+
+ENGINE = dict(device="cpu-inprocess", max_model_len=160, max_num_seqs=8, decode_buckets=(1, 2, 4, 8))
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(write_json_model(tmp_path_factory.mktemp("json-model")))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model) -> Tokenizer:
+    return Tokenizer.from_file(f"{model}/tokenizer.json")
+
+
+def workload(
+    seed: int, temperature: float, constrained: int = 15, free: int = 5
+) -> list[tuple[int | None, PromptRequest]]:
+    rng = random.Random(seed)
+    kinds: list[int | None] = [i % len(CONSTRAINTS) for i in range(constrained)] + [None] * free
+    rng.shuffle(kinds)
+    items = []
+    for i, kind in enumerate(kinds):
+        prompt = [1, *rng.choices(range(3, 300), k=rng.randint(1, 12))]
+        params = SamplingParams(
+            max_tokens=120 if kind is not None else rng.randint(1, 60),
+            temperature=temperature,
+            seed=seed * 1000 + i,
+            structured_outputs=CONSTRAINTS[kind].params if kind is not None else None,
+        )
+        items.append((kind, PromptRequest(prompt, params, f"r{i}")))
+    return items
+
+
+def run(model: str, items, **config) -> tuple[list, dict]:
+    with LLM(model, **{**ENGINE, **config}) as llm:
+        return llm.generate([request for _, request in items]), llm.stats()
+
+
+def check_outputs(items, outputs, tokenizer) -> None:
+    for (kind, _), output in zip(items, outputs, strict=True):
+        if kind is None:
+            continue
+        assert output.finish_reason == "stop", (output.request_id, output.finish_reason, output.error)
+        CONSTRAINTS[kind].check(tokenizer.decode(output.output_token_ids))
+
+
+def test_seeded_constrained_outputs_satisfy_their_grammars_and_async_equals_sync_under_speculation(model, tokenizer):
+    items = workload(3, temperature=1.0)
+    sync, sync_stats = run(model, items, async_scheduling=False, speculative_config=NGRAM)
+    check_outputs(items, sync, tokenizer)
+    outputs, stats = run(model, items, async_scheduling=True, speculative_config=NGRAM)
+    check_outputs(items, outputs, tokenizer)
+    assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in sync]
+    for spec in (sync_stats["spec_decode"], stats["spec_decode"]):
+        assert spec["num_accepted_tokens"] > 0, spec
+    # Masks built when scheduled: a masked request waits for its step in flight, so none is deferred.
+    assert stats["launch_counts"]["SampleInProgram"] > 0 and stats["deferred_steps"] == 0, stats
+
+
+def test_greedy_constrained_outputs_under_speculation_equal_those_without(model, tokenizer):
+    items = workload(5, temperature=0.0)
+    plain, _ = run(model, items, async_scheduling=True)
+    outputs, stats = run(model, items, async_scheduling=True, speculative_config=NGRAM)
+    check_outputs(items, outputs, tokenizer)
+    assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in plain]
+    assert stats["spec_decode"]["num_accepted_tokens"] > 0, stats["spec_decode"]
+
+
+def test_drafts_are_cut_to_the_grammar_valid_prefix_and_the_mask_rows_follow_them(model, tokenizer):
+    """Row j of a spec row's mask is the grammar after its first j drafts; a draft the grammar rejects
+    ends the drafts; the matcher is left where it was."""
+    compiler = GrammarCompiler(f"{model}/tokenizer.json", vocab_size=VOCAB_SIZE, eos_token_ids=[2])
+    matcher = compiler.matcher({"choice": ["yes", "no"]})
+    [yes] = tokenizer.encode("yes").ids
+    valid, rows = compiler.draft_bitmask(matcher, [yes, yes, 7], 4)
+    assert valid == [yes]  # nothing may follow "yes" but EOS
+    assert rows.shape == (4, compiler.words)
+    assert (rows[0] == compiler.bitmask([matcher])[0]).all()  # the grammar as it is
+    allowed = [t for t in range(VOCAB_SIZE) if rows[1].view("uint32")[t // 32] >> (t % 32) & 1]
+    assert allowed == [2]  # after "yes": EOS only
+    assert (rows[2:] == -1).all()  # past the bonus position: nothing emitted, every token allowed
+    assert matcher.validate_tokens([yes]) == 1  # rolled back: "yes" is still next
+
+
+def test_a_grammar_under_draft_model_speculation_is_refused_naming_the_field(model):
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
+    with LLM(model, **{**ENGINE, "speculative_config": spec}) as llm:
+        with pytest.raises(InvalidRequestError, match="^structured_outputs: not supported with speculative_config"):
+            llm.add_request([1, 5], SamplingParams(structured_outputs={"regex": "a+"}))
