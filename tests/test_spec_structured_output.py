@@ -111,3 +111,26 @@ def test_a_grammar_under_draft_model_speculation_is_refused_naming_the_field(mod
     with LLM(model, **{**ENGINE, "speculative_config": spec}) as llm:
         with pytest.raises(InvalidRequestError, match="^structured_outputs: not supported with speculative_config"):
             llm.add_request([1, 5], SamplingParams(structured_outputs={"regex": "a+"}))
+
+
+def test_a_dead_end_under_speculation_finishes_its_request_with_the_error_naming_it(model, tokenizer):
+    """A choice of one token whose grammar can then only end, while min_tokens holds EOS back: the
+    prompt repeats that token, so n-gram drafts it again; the request ends with the error after its one
+    token, async as sync, and the others are unharmed."""
+    [yes] = tokenizer.encode("yes").ids
+    params = SamplingParams(
+        max_tokens=20, temperature=1.0, seed=1, min_tokens=4, structured_outputs={"choice": ["yes"]}
+    )
+    items = [
+        *workload(9, temperature=1.0, constrained=5, free=2),
+        (None, PromptRequest([1, yes, yes, yes], params, "dead")),
+    ]
+    sync, _ = run(model, items, async_scheduling=False, speculative_config=NGRAM)
+    outputs, _ = run(model, items, async_scheduling=True, speculative_config=NGRAM)
+    assert [(o.output_token_ids, o.finish_reason, o.error) for o in outputs] == [
+        (o.output_token_ids, o.finish_reason, o.error) for o in sync
+    ]
+    dead = outputs[-1]
+    assert dead.finish_reason == "error" and "min_tokens=4 holds back" in dead.error, (dead.finish_reason, dead.error)
+    assert dead.output_token_ids == [yes]
+    check_outputs(items[:-1], outputs[:-1], tokenizer)
