@@ -9,6 +9,9 @@ the step it returns (an attribute of vLLM's SchedulerOutput, pickled along to ev
 trace's `mask` event: FreshMaskInv). The
 output rank's worker writes those records into the trace when that step reaches it: in the engine
 core they happened after the worker's previous step and before this one, the order the trace keeps.
+A step whose mask vLLM deferred is the exception: the engine core applies the step in flight (and
+the aborts that came meanwhile) between execute_model() and sample_tokens(), so those records ride
+on the step's GrammarOutput and reach the trace before its `mask` event, as they happened.
 Observation only: nothing vLLM decides changes.
 """
 
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import functools
 from typing import Any
+
+import numpy as np
 
 from neuron_async_sm.vllm_plugin import PLATFORM_CLS, register
 from neuron_async_sm.vllm_plugin.config import PluginOptions
@@ -102,11 +107,24 @@ def _on_grammar_bitmask(get_grammar_bitmask):
     @functools.wraps(get_grammar_bitmask)
     def wrapper(self, scheduler_output):
         grammar_output = get_grammar_bitmask(self, scheduler_output)
-        if grammar_output is not None and _recording(self) is not None:
+        records = _recording(self)
+        if records is None:
+            return grammar_output
+        if grammar_output is None and records:
+            # A deferred mask whose rows all finished with the step just applied: no rows, but the
+            # records of that step must still reach the trace before this step's mask event.
+            from vllm.v1.core.sched.output import GrammarOutput
+
+            grammar_output = GrammarOutput([], np.zeros((0, 0), dtype=np.int32))
+        if grammar_output is not None:
             # A grammar takes exactly its request's outputs as the engine core applies them
             # (update_from_output's accept_tokens), so their count is what it has taken.
             counts = [self.requests[r].num_output_tokens for r in grammar_output.structured_output_request_ids]
             setattr(grammar_output, GRAMMAR_TOKENS_ATTR, counts)
+            # What the engine core did since this step was scheduled: for a deferred mask, the step in
+            # flight applied (and aborts) just now, before this mask was built.
+            setattr(grammar_output, EVENTS_ATTR, list(records))
+            records.clear()
         return grammar_output
 
     return wrapper

@@ -275,6 +275,8 @@ class NeuronAsyncSMWorker(WorkerBase):
     def sample_tokens(self, grammar_output) -> VllmModelRunnerOutput | VllmAsyncModelRunnerOutput:
         step, self._step = self._step, None
         assert step is not None, "sample_tokens() without a step"
+        if self.tracer.enabled:  # a deferred mask: the step in flight was applied before it was built
+            self._trace_engine_events(grammar_output)
         bitmask = self._bitmask(step, grammar_output)
         with blamed(self.peers):
             if self._mask_first:
@@ -300,9 +302,9 @@ class NeuronAsyncSMWorker(WorkerBase):
         if not masked:
             return None
         width = -(-self.model.vocab_size // 32)
-        if grammar_output is None:  # every masked request finished meanwhile
+        req_ids = tuple(grammar_output.structured_output_request_ids) if grammar_output is not None else ()
+        if not req_ids:  # every masked request finished meanwhile
             return GrammarBitmask((), np.zeros((0, width), dtype=np.int32), ())
-        req_ids = tuple(grammar_output.structured_output_request_ids)
         bitmask = np.asarray(grammar_output.grammar_bitmask, dtype=np.int32)  # [rows, W]
         if not masked.issuperset(req_ids) or bitmask.shape != (len(req_ids), width):
             raise UnsupportedStepError(
@@ -314,10 +316,11 @@ class NeuronAsyncSMWorker(WorkerBase):
 
     # -- observability and shutdown -----------------------------------------------------------------
 
-    def _trace_engine_events(self, scheduler_output) -> None:
-        """What vLLM's engine core did since its previous step (engine_hooks.py): steps applied, aborts.
-        Written before this step's own events, the order in which the engine core did them."""
-        for event, fields in getattr(scheduler_output, EVENTS_ATTR, ()):
+    def _trace_engine_events(self, carrier) -> None:
+        """What vLLM's engine core did since its previous call to us (engine_hooks.py): steps applied,
+        aborts, carried by a SchedulerOutput or by a deferred step's GrammarOutput. Written before
+        this call's own events, the order in which the engine core did them."""
+        for event, fields in getattr(carrier, EVENTS_ATTR, ()):
             if event == "AdvanceStep":
                 step_id = self._step_of.pop(fields["ordinal"], None)
                 if step_id is not None:  # None: a step our runner never ran (nothing scheduled)
