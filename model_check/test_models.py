@@ -100,7 +100,7 @@ def test_every_safety_invariant_is_shown_to_fail_by_some_model(module):
 
 # What a witness model may change: how long outputs are, who may be aborted or stop on EOS, whether
 # programs fail, the relay switch, which engine core drives the worker, a drafter on the host or on
-# the device. Never a guard: a witness shows what the implementation reaches.
+# the device, who samples under a grammar. Never a guard: a witness shows what the implementation reaches.
 WITNESS_BOUNDS = {
     "MCAsyncScheduling": {
         "MaxTokens",
@@ -111,6 +111,7 @@ WITNESS_BOUNDS = {
         "EngineCore",
         "HostDrafter",
         "DeviceDrafter",
+        "Constrained",
     },
     "MCStructuredOutput": {"MaxTokens", "MayStop"},
     "MCSpecDecode": {"MaxTokens", "Room", "MayStop", "MayAbort", "Late"},

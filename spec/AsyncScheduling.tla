@@ -22,9 +22,10 @@
 (* - Structured output: a step with a row that samples under a grammar     *)
 (*   fires the machine's launch; when that row's newest token is in the    *)
 (*   pending step, the step's sampling waits until the engine core has     *)
-(*   applied it (SampleDeferred). The models have no grammar (Constrained  *)
-(*   is empty); trace validation replaces it. StructuredOutput.tla checks  *)
-(*   the mask design on its own.                                           *)
+(*   applied it (SampleDeferred). Most models have no grammar (Constrained *)
+(*   is empty; the vLLM ones with "Constrained" have one); trace           *)
+(*   validation replaces it. StructuredOutput.tla checks the mask design   *)
+(*   on its own.                                                           *)
 (* - HostDrafter: speculation drafts on the host from each request's whole *)
 (*   history (n-gram), so every step with a pending future materializes   *)
 (*   it first (HostDraftBreak). Tokens per row: SpecDecode.tla's concern.  *)
@@ -103,15 +104,18 @@ StepBound == Len(Requests) * (MaxChunks + MaxOf(Range(MaxTokens)))
 \* and its row in the worker's batch, until it finishes, relay or not; and an abort that arrives while
 \* the engine core waits on its oldest step is applied once that step's output has resolved, just
 \* before it is applied (EngineCore._process_aborts_queue in step_with_batch_queue), besides the
-\* ones applied at the top of the loop.
+\* ones applied at the top of the loop. That wait is also the deferred path's (structured output):
+\* there vLLM pops the oldest step, waits on it, applies aborts, applies the step, then builds the
+\* deferred step's mask, the order of our engine core's _sample_deferred but for the aborts.
 EngineCore == "ours"
 \* Who calls get_output() on every output in order: a thread of its own (our async output thread,
 \* vLLM's mp worker's output-copy thread), or, under vLLM's uni-process executor, the engine thread
 \* itself, inside its wait for the oldest step (AsyncOutputFuture.result()). The spec's "output"
 \* thread is that role; on the engine thread it acts only while the engine waits (or dies).
 OutputOnEngineThread == FALSE
-\* The requests that sample under a grammar (structured output): none in the models, whose state
-\* counts this leaves alone. Trace validation replaces it (<-) with the requests its trace masks.
+\* The requests that sample under a grammar (structured output): none in most models, whose state
+\* counts this leaves alone; a model replaces it (<-) to check the deferred path (MCConstrained), and
+\* trace validation with the requests its trace masks.
 Constrained == {}
 NoGrammar == -1  \* a mask row built for no grammar state: its request finished before the mask was built
 \* Speculative decoding with a drafter that reads the host's token history (method "ngram"). Not a
@@ -287,10 +291,11 @@ Stop(r) ==  \* r finishes now: nothing it samples later is delivered
 Resolved(s) == s \notin Range(outQueue)
 
 \* Where the engine core applies a client's abort: at the top of its loop; vLLM's also after its
-\* oldest step's output resolved and before that output is applied (with two steps in flight).
+\* oldest step's output resolved and before that output is applied (with two steps in flight), on
+\* the deferred path too, before the deferred step's mask is built.
 AbortPoint ==
     \/ pc["main"] = "top"
-    \/ EngineCore = "vllm" /\ pc["main"] = "wait" /\ batchQueue # <<>> /\ Resolved(Head(batchQueue))
+    \/ EngineCore = "vllm" /\ pc["main"] \in {"wait", "defer"} /\ batchQueue # <<>> /\ Resolved(Head(batchQueue))
 
 Abort(r) ==
     /\ AbortPoint
@@ -818,6 +823,10 @@ EosInFlightUnreached == ~\E r \in ReqSet \ MayAbort : StoppedInFlight(r)
 \* of the oldest already materialized, the other's still on the device; both must be discarded). Our
 \* engine core aborts at the top of its loop, where at most one step is in flight: there it holds.
 AbortWithTwoInFlightUnreached == ~\E r \in MayAbort : StoppedEarly(r) /\ placeholders[r] = Depth
+\* vLLM's engine core with structured output: an abort applied while a deferred step waits for its
+\* mask, the aborted request one of its masked rows (its token of the applied step is then discarded,
+\* and the mask has no row for it).
+AbortBeforeDeferredMaskUnreached == ~\E r \in MayAbort : pc["main"] = "defer" /\ r \in cur.masked /\ StoppedEarly(r)
 \* A program failed while two steps were in flight.
 FailureWithTwoInFlightUnreached == ~\E s \in 1..Len(steps) : ~steps[s].ok /\ Len(batchQueue) = Depth
 \* With a host drafter (n-gram), every step with a pending future is a HostDraftBreak, also with the

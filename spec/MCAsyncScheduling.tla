@@ -27,6 +27,8 @@ MCStopNotAborted == {"a", "c"}
 \* thread also calls get_output() in order (OutputOnEngineThread).
 MCVllm == "vllm"
 MCOutputOnEngineThread == TRUE
+\* Structured output: b samples under a grammar (and may be aborted), so its steps launch and defer.
+MCConstrained == {"b"}
 
 \* Speculation with a host-side drafter (n-gram): HostDraftBreak takes every step with a pending future.
 MCHostDrafter == TRUE

