@@ -1,4 +1,5 @@
-"""`vllm serve <checkpoint>` with our plugin answers the official `openai` client (the plugin lane).
+"""`vllm serve <checkpoint>` with our plugin answers the official `openai` client (the plugin lane), and
+lm-eval's loglikelihood request (`echo` with `logprobs`) as our own `serve` does.
 
 The server is vLLM's own CLI on a fresh 127.0.0.1 port, in its own process group, killed with it.
 """
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.serve_harness import free_port, write_text_model
+from support.serve_harness import ServerProcess, free_port, write_text_model
 from support.vllm_harness import needs_vllm, vllm_env
 
 pytestmark = needs_vllm
@@ -136,3 +137,54 @@ def test_a_client_leaving_mid_stream_frees_its_request(server):
     # One running request at a time (--max-num-seqs 1): the next one runs only if the slot was freed.
     after = openai.completions.create(model=model, prompt=PROMPT, max_tokens=4, extra_body={"ignore_eos": True})
     assert after.usage.completion_tokens == 4
+
+
+def completions(url: str, body: dict) -> dict:
+    """POST a JSON body as given (no client's defaults added) to /v1/completions; its JSON answer."""
+    request = urllib.request.Request(
+        f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+# float32 logprobs of one token may differ in the last bits between two engines' batches
+LOGPROB_TOL = 1e-4
+
+
+def test_echo_with_logprobs_equals_our_serve_token_for_token(server, tmp_path):
+    """What lm-eval's loglikelihood sends (`local-completions`' defaults): token ids, `echo`,
+    `logprobs=1`, `max_tokens=1`, temperature 0, two prompts in one request as its batches do. vLLM's
+    server with our plugin answers as our own `serve` does on the same checkpoint: every prompt and
+    output token, its logprob and its top-1, the text offsets, the finish reason and the counts."""
+    url, model = server
+    context = [1, 7, 19, 31, 43]
+    prompts = [[*context, 12, 24], [*context, 50]]
+    body = {"model": model, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234}
+    body["echo"] = True
+    theirs = completions(url, body)
+    ours_server = ServerProcess(tmp_path, model)
+    try:
+        status, ours = ours_server.post("/v1/completions", body)
+    finally:
+        assert ours_server.terminate() == 0, ours_server.log()
+    assert status == 200, ours
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [theirs["usage"][k] for k in counts] == [ours["usage"][k] for k in counts], (theirs["usage"], ours["usage"])
+    assert len(theirs["choices"]) == len(ours["choices"]) == len(prompts)
+    for prompt, a, b in zip(prompts, theirs["choices"], ours["choices"], strict=True):
+        assert a["index"] == b["index"] and a["finish_reason"] == b["finish_reason"] == "length"
+        got, want = a["logprobs"], b["logprobs"]
+        # lm-eval sums token_logprobs[ctxlen:-1] and compares each with its top_logprobs' best
+        assert got["tokens"] == want["tokens"] and len(got["tokens"]) == len(prompt) + 1, (got, want)
+        assert got["text_offset"] == want["text_offset"]
+        assert got["token_logprobs"][0] is None and want["token_logprobs"][0] is None  # the first token has none
+        for x, y in zip(got["token_logprobs"][1:], want["token_logprobs"][1:], strict=True):
+            assert abs(x - y) <= LOGPROB_TOL, (got, want)
+        assert got["top_logprobs"][0] is None and want["top_logprobs"][0] is None
+        for x, y in zip(got["top_logprobs"][1:], want["top_logprobs"][1:], strict=True):
+            assert list(x) == list(y) and all(abs(x[t] - y[t]) <= LOGPROB_TOL for t in x), (got, want)
+        # The echoed text starts with the prompt's: vLLM decodes the output with the prompt before it
+        # ("... w24 w29"), our serve decodes the output alone ("... w24w29"): not compared past the prompt.
+        prompt_text = " ".join(got["tokens"][: len(prompt)])
+        assert a["text"].startswith(prompt_text) and b["text"].startswith(prompt_text), (a["text"], b["text"])
