@@ -64,3 +64,12 @@ MASK_BEFORE_IN_FLIGHT_TOKEN = (
     "            bitmask = self.scheduler.grammar_bitmask(launched.scheduled)\n"
     "        deltas = self._apply_oldest() if self.batch_queue else []\n",
 )
+
+# The same stale mask under vLLM's engine core: its scheduler never marks a step as waiting for a
+# grammar row's token in flight, so vLLM builds every mask at once, before applying the step in flight.
+VLLM_MASK_BEFORE_IN_FLIGHT_TOKEN = (
+    "vllm_plugin/engine_hooks.py",
+    "        output = schedule(self, *args, **kwargs)\n",
+    "        output = schedule(self, *args, **kwargs)\n"
+    "        output.pending_structured_output_tokens = False  # MUTANT: every mask built at once\n",
+)

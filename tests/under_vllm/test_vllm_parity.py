@@ -15,6 +15,7 @@ import math
 import jsonschema
 import pytest
 from support.grammar_model import FLAGS, PERSON, write_json_model
+from support.mutants import VLLM_MASK_BEFORE_IN_FLIGHT_TOKEN, mutant_package
 from support.vllm_harness import needs_vllm, run_case
 from tlc import missing_reason
 from tokenizers import Tokenizer
@@ -228,3 +229,30 @@ def applied_before(events: list[dict], i: int) -> bool:
     return events[launch]["state"] == "SampleDeferred" and any(
         e["event"] == "AdvanceStep" and e["step"] == step - 1 for e in events[launch:i]
     )
+
+
+def test_trace_of_a_stale_mask_under_vllm_is_rejected(ckpt, tmp_path):
+    """The spec's MCMaskBeforeInFlightToken under vLLM's engine core, run for real: a source mutant of
+    the plugin's hooks clears vLLM's `pending_structured_output_tokens`, so vLLM builds a deferred
+    step's mask at once, from grammars that lack the token in flight. Its trace shows the stale mask
+    (grammar tokens one short of the output index), and TLC rejects the trace at the first one: in the
+    spec's vLLM order a deferred step's mask comes only after the step in flight is applied."""
+    assert missing_reason() is None, f"TLC cannot run here: {missing_reason()}"
+    root = mutant_package(tmp_path / "mutant", *VLLM_MASK_BEFORE_IN_FLIGHT_TOKEN)
+    trace = tmp_path / "mutant.ndjson"
+    run = {"name": "mutant", "async": True, "backend": "mp", "max_model_len": MAX_MODEL_LEN}
+    run |= {"max_num_batched_tokens": 16, "structured_outputs_config": GUIDANCE, "options": {"trace_path": str(trace)}}
+    workload = [w for w in WORKLOAD if w["id"] in SCHEMAS]
+    run_case(
+        tmp_path, "runs", {"ckpt": ckpt, "workload": workload, "runs": [run]}, pythonpath_first=root, may_fail=True
+    )
+    events = read_trace(trace)
+    stale = stale_masks(events)
+    assert stale, "the mutant's masks all came from the grammar after the previous token"
+    verdict = check_trace(events)
+    print(f"{len(stale)} stale masks, the first: {stale[0]}; {verdict.describe()}")
+    assert not verdict.accepted and verdict.tlc.exit_code == 0, verdict.describe()  # TLC ran through
+    rejected = verdict.rejected_event
+    assert rejected["event"] == "mask" and any(g != k for _, g, k in rejected["masks"]), verdict.describe()
+    first = next(e for e in events if e["event"] == "mask" and any(g != k for _, g, k in e["masks"]))
+    assert rejected == first, verdict.describe()
