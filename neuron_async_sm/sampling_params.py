@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -14,6 +14,9 @@ MAX_LOGIT_BIAS = 256
 """Most logit_bias entries a request may carry. Each step sends a request's entries to the device
 in a fixed-width row (`[rows, width]`), so the cap bounds that input; vLLM sets none and OpenAI
 documents none, and the maps clients send (a label set, a few banned words) are far smaller."""
+MAX_BAD_WORDS = 128
+"""Most token sequences a request's bad_words may become (each word with and without a leading
+space): vLLM's VLLM_MAX_NUM_BAD_WORDS default."""
 
 
 class InvalidRequestError(NeuronAsyncSMError, ValueError):
@@ -45,6 +48,11 @@ class SamplingParams:
     min_tokens: int = 0  # no stop token (EOS, stop_token_ids) before this many outputs
     # token id -> bias added to its logit; kept as (token, bias) pairs in token order (hashable)
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled; None: any
+    # Words never to sample (vLLM's): a word's last token is banned when the outputs just before it
+    # are the word's other tokens. The engine tokenizes them (`bad_words_token_ids`, vLLM's rule).
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # the words as token sequences; () until tokenized
     # Logprobs (vLLM's meaning): None, none; N >= 0, each sampled token's logprob and the N most likely
     # tokens' (-1: the whole vocabulary). The engine caps N at EngineConfig.max_logprobs.
     logprobs: int | None = None
@@ -116,6 +124,37 @@ class SamplingParams:
             if not is_number(value) or not -100 <= value <= 100:
                 raise InvalidRequestError(f"logit_bias: bias of token {token} must be in [-100, 100], got {value!r}")
         object.__setattr__(self, "logit_bias", tuple(sorted((token, float(value)) for token, value in bias.items())))
+        self._check_token_lists()
+
+    def _check_token_lists(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if isinstance(allowed, (str, bytes, Mapping)) or not hasattr(allowed, "__iter__"):
+                raise InvalidRequestError(f"allowed_token_ids: must be a list of token ids, got {allowed!r}")
+            allowed = tuple(dict.fromkeys(allowed))
+            if not allowed:
+                raise InvalidRequestError("allowed_token_ids: must not be empty (leave it out to allow every token)")
+            if not all(is_int(t) and t >= 0 for t in allowed):
+                raise InvalidRequestError(f"allowed_token_ids: must be non-negative integers, got {list(allowed)!r}")
+            object.__setattr__(self, "allowed_token_ids", allowed)
+        words = self.bad_words
+        if isinstance(words, (str, bytes)) or not hasattr(words, "__iter__"):
+            raise InvalidRequestError(f"bad_words: must be a list of strings, got {words!r}")
+        words = tuple(dict.fromkeys(words))
+        if not all(isinstance(w, str) and w for w in words):
+            raise InvalidRequestError(f"bad_words: must be non-empty strings, got {list(words)!r}")
+        object.__setattr__(self, "bad_words", words)
+        sequences = self.bad_words_token_ids
+        if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__iter__"):
+            raise InvalidRequestError(f"bad_words: token sequences must be lists of token ids, got {sequences!r}")
+        sequences = tuple(tuple(s) if hasattr(s, "__iter__") else s for s in sequences)
+        if not all(isinstance(s, tuple) and s and all(is_int(t) and t >= 0 for t in s) for s in sequences):
+            raise InvalidRequestError(
+                f"bad_words: token sequences must be non-empty lists of token ids, got {list(sequences)!r}"
+            )
+        if len(sequences) > MAX_BAD_WORDS:
+            raise InvalidRequestError(f"bad_words: at most {MAX_BAD_WORDS} token sequences, got {len(sequences)}")
+        object.__setattr__(self, "bad_words_token_ids", sequences)
 
     @property
     def penalized(self) -> bool:
@@ -125,7 +164,14 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Anything between the logits and the sampler on (`model/logits_processors.py`)."""
-        return self.penalized or self.min_p > 0 or self.min_tokens > 0 or bool(self.logit_bias)
+        return (
+            self.penalized
+            or self.min_p > 0
+            or self.min_tokens > 0
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words or self.bad_words_token_ids)
+        )
 
     def children(self) -> list[SamplingParams]:
         """The child requests of n sequences, each of n=1 (vLLM's parallel sampling): child i is seeded
@@ -134,6 +180,30 @@ class SamplingParams:
         if self.n == 1:
             return [self]
         return [replace(self, n=1, seed=None if self.seed is None else self.seed + i) for i in range(self.n)]
+
+
+def bad_words_token_ids(
+    words: Sequence[str], encode: Callable[[str], list[int]], vocab_size: int
+) -> tuple[tuple[int, ...], ...]:
+    """The token sequences of `words`, by vLLM's rule (SamplingParams.update_from_tokenizer): each word
+    as written (leading spaces dropped), and with one leading space when that starts with another
+    token and has as many tokens (a word inside a sentence); `encode` adds no special tokens.
+    InvalidRequestError naming bad_words for a word of no tokens, too many sequences, or a token
+    outside the vocabulary."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(encode(word.lstrip()))
+        if not bare:
+            raise InvalidRequestError(f"bad_words: {word!r} tokenizes to no token")
+        sequences.append(bare)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+        if len(sequences) > MAX_BAD_WORDS:
+            raise InvalidRequestError(f"bad_words: more than {MAX_BAD_WORDS} token sequences after tokenization")
+    if outside := [t for s in sequences for t in s if t >= vocab_size]:
+        raise InvalidRequestError(f"bad_words: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
+    return tuple(sequences)
 
 
 def child_request_id(request_id: str, index: int) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.model.logprobs import MAX_VOCAB
 from neuron_async_sm.outputs import ModelRunnerOutput, NewRequestData, RequestDelta, SchedulerOutput, TokenLogprobs
 from neuron_async_sm.request import FinishReason, Request, RequestStatus
-from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
+from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams, bad_words_token_ids
 from neuron_async_sm.structured_output import GrammarBitmask, GrammarCompiler, dead_end
 from neuron_async_sm.values import is_int
 from neuron_async_sm.worker.drafts import propose_ngram
@@ -42,6 +43,9 @@ _PROCESSING_OFF = {
     "min_p": 0.0,
     "min_tokens": 0,
     "logit_bias": (),
+    "allowed_token_ids": None,
+    "bad_words": (),
+    "bad_words_token_ids": (),
 }
 
 
@@ -65,6 +69,7 @@ class Scheduler:
         self.config = config
         # Structured output: compiles a request's grammar against the model's tokenizer (None: refused).
         self.grammars = grammars
+        self._tokenizer: Any = None  # a tokenizers.Tokenizer for bad_words, loaded at the first request with them
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.waiting: deque[Request] = deque()
@@ -109,7 +114,8 @@ class Scheduler:
             )
         if not self.config.sampling_extras and (extras := sampling_extras_used(request.sampling_params)):
             raise InvalidRequestError(
-                f"{extras[0]}: this engine takes no penalties, logit_bias, min_tokens, min_p or logprobs "
+                f"{extras[0]}: this engine takes no penalties, logit_bias, min_tokens, min_p, "
+                "allowed_token_ids, bad_words or logprobs "
                 "(--no-sampling-extras)"
             )
         params = request.sampling_params = self._resolve_logprobs(request.sampling_params)
@@ -118,6 +124,12 @@ class Scheduler:
             raise InvalidRequestError(
                 f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
+        outside = [token for token in params.allowed_token_ids or () if token >= self.vocab_size]
+        if outside:
+            raise InvalidRequestError(
+                f"allowed_token_ids: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        params = request.sampling_params = self._resolve_bad_words(params)
         eos = () if params.ignore_eos else self.eos_token_ids
         request.stop_token_set = frozenset(params.stop_token_ids).union(eos)
         request.max_outputs = min(params.max_tokens, self.config.max_model_len - len(prompt))
@@ -135,6 +147,29 @@ class Scheduler:
             request.grammar = self.grammars.matcher(params.structured_outputs)  # InvalidRequestError naming the field
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def _resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its bad_words tokenized (vLLM's rule; token sequences given are only checked)."""
+        if params.bad_words_token_ids or not params.bad_words:
+            sequences = params.bad_words_token_ids
+            if outside := [t for s in sequences for t in s if t >= self.vocab_size]:
+                raise InvalidRequestError(
+                    f"bad_words: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})"
+                )
+            return params
+        path = None if self.grammars is None else self.grammars.tokenizer_json
+        if path is None:
+            raise InvalidRequestError("bad_words: the model has no tokenizer.json to tokenize them with")
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer  # noqa: PLC0415 (only a request with bad words pays its import)
+
+            self._tokenizer = Tokenizer.from_file(path)
+        tokenizer = self._tokenizer
+
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False).ids
+
+        return replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, encode, self.vocab_size))
 
     def _resolve_logprobs(self, params: SamplingParams) -> SamplingParams:
         """`params` with -1 logprobs (the whole vocabulary) as a count; InvalidRequestError naming the

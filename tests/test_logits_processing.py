@@ -1,9 +1,12 @@
-"""Penalties, logit_bias, min_tokens and min_p: tokens equal a float64 `transformers` reference with the
-same logits processors, in sync and async mode, and the token still in flight is counted.
+"""Penalties, logit_bias, min_tokens, min_p, allowed_token_ids and bad_words: tokens equal a float64
+`transformers` reference with the same logits processors, in sync and async mode, and the token still
+in flight is counted.
 
 The reference runs transformers' own processors (MinNewTokensLengthLogitsProcessor,
 SequenceBiasLogitsProcessor, RepetitionPenaltyLogitsProcessor, MinPLogitsWarper) in vLLM's order;
-presence and frequency, which transformers lacks, are vLLM's formula written out here.
+presence and frequency, which transformers lacks, are vLLM's formula written out here, and so are
+allowed_token_ids and bad_words (transformers' NoBadWordsLogitsProcessor matches a word's start in
+the prompt too; vLLM's only in the output).
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ def cases() -> dict[str, PromptRequest]:
         "everything_chunked": case(
             LONG, repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=0.4, logit_bias={101: 3.0}
         ),
+        "allowed": case(REPEATS, allowed_token_ids=(3, 17, 42, 77, 150, 181)),
+        # (91, 91): no 91 right after a 91 (the greedy's run); (59, 91): the prompt ends with 59, and a
+        # word's start in the prompt bans nothing (vLLM's); (17,): a one-token word, banned always.
+        "bad_words": case(REPEATS, bad_words_token_ids=((91, 91), (59, 91), (17,))),
+        "bad_words_three_tokens": case(REPEATS_LONGER, bad_words_token_ids=((49, 49, 49),)),
         "neutral": case(REPEATS),
     }
     return {name: PromptRequest(r.prompt_token_ids, r.sampling_params, name) for name, r in named.items()}
@@ -78,6 +86,14 @@ def reference(model, prompt: list[int], params: SamplingParams, eos: int) -> lis
     with torch.no_grad():
         while len(out) < params.max_tokens:
             logits = model(ids).logits[:, -1].double()  # [1, vocab]
+            if params.allowed_token_ids is not None:  # vLLM's allowed_token_ids_mask
+                allowed = torch.zeros(VOCAB, dtype=torch.bool)
+                allowed[list(params.allowed_token_ids)] = True
+                logits = logits.masked_fill(~allowed, float("-inf"))
+            for word in params.bad_words_token_ids:  # vLLM's apply_bad_words: the word's start in the output
+                start = list(word[:-1])
+                if len(start) <= len(out) and out[len(out) - len(start) :] == start:
+                    logits[0, word[-1]] = float("-inf")
             for processor in processors:
                 logits = processor(ids, logits)
             # vLLM's (and OpenAI's) presence and frequency penalties, on the output tokens
@@ -117,6 +133,12 @@ def test_the_prompts_lead_where_the_cases_need(checkpoint, expected):
         if name not in ("neutral", "everything_chunked"):
             assert expected[name] != hf_greedy(model, request.prompt_token_ids, NEW_TOKENS)[: len(expected[name])], name
     assert EOS not in expected["min_tokens"][:6] and 113 not in expected["min_tokens_stop_ids"][:4]
+    bad = expected["bad_words"]
+    assert bad[0] == 91 and 91 in bad[2:] and 17 not in bad  # the prompt's 59 banned nothing; 91 came back
+    assert all(bad[i : i + 2] != [91, 91] for i in range(len(bad)))
+    three = expected["bad_words_three_tokens"]
+    assert [49, 49] in [three[i : i + 2] for i in range(len(three))]  # a two-token run allowed, a third not
+    assert set(expected["allowed"]) <= {3, 17, 42, 77, 150, 181}
 
 
 @pytest.mark.parametrize(

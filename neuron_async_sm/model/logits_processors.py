@@ -1,8 +1,11 @@
-"""Logits processing before sampling, on the device: vLLM's min_tokens, logit_bias and penalties.
+"""Logits processing before sampling, on the device: vLLM's allowed_token_ids, bad_words, min_tokens,
+logit_bias and penalties.
 
-Order (vLLM's `Sampler`): min_tokens (stop tokens get -inf while the output is shorter), logit_bias
-(added), then the repetition, frequency and presence penalties; the sampler then takes the greedy
-argmax, or applies temperature, min_p, top-k and top-p (`sampler.py`).
+Order (vLLM's `Sampler`): allowed_token_ids (every other token gets -inf), bad_words (a word's last
+token gets -inf when the outputs just before it are the word's other tokens), min_tokens (stop
+tokens get -inf while the output is shorter), logit_bias (added), then the repetition, frequency and
+presence penalties; the sampler then takes the greedy argmax, or applies temperature, min_p, top-k
+and top-p (`sampler.py`).
 
 Where the history lives. The penalties depend on a request's tokens so far, including the one the
 previous step sampled, which in async mode is still a device future when this step is enqueued.
@@ -22,9 +25,9 @@ addressed by position, not kept as running counts, so it needs no lifecycle of i
 - tensor parallel: the history is written after the ids are broadcast from the output rank, so
   every rank counts the same tokens and samples the same one.
 
-The program writes the history on steps that carry processing inputs (some row uses any of
-these parameters); a penalized request is in every step that computes one of its tokens, so
-its history is complete. A step without them pays nothing. Counts are rebuilt per step from
+The program writes the history on steps that carry processing inputs and read it (penalties,
+bad words: `READS_HISTORY`); such a request is in every step that computes one of its tokens,
+so its history is complete. A step without them pays nothing. Counts are rebuilt per step from
 the history rows (`[rows, tokens]` scatter-add into `[rows, vocab]`), as vLLM rebuilds them
 from its token lists, so there is no host round trip and no data-dependent branch: on a lazy
 device (XLA) every operation here is a fixed-shape tensor op on device values.
@@ -59,6 +62,12 @@ PROCESSING_INPUTS: tuple[ProcessingInput, ...] = (
     ProcessingInput("stop_ids", torch.int32, -1, listed=True),  # min_tokens' stop tokens; -1: none
     ProcessingInput("bias_ids", torch.int32, -1, listed=True),  # logit_bias tokens; -1: none
     ProcessingInput("bias_values", torch.float32, 0.0, listed=True),
+    ProcessingInput("allowed_ids", torch.int32, -1, listed=True),  # allowed_token_ids; -1 first: all allowed
+    # bad_words' token sequences one after another, each token with its word (the row's index of
+    # it) and how many of the word's tokens follow it (0: the last, the one banned).
+    ProcessingInput("bad_ids", torch.int32, -1, listed=True),  # -1: none
+    ProcessingInput("bad_word", torch.int32, -1, listed=True),
+    ProcessingInput("bad_back", torch.int32, 0, listed=True),
 )
 PROCESSING = {spec.name: spec for spec in PROCESSING_INPUTS}
 
@@ -92,7 +101,8 @@ def tokens_so_far(positions: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
     return np.where(lens > 0, last + 1, 0)
 
 
-PARTS = frozenset({"min_tokens", "logit_bias", "penalties", "min_p"})
+PARTS = frozenset({"allowed", "bad_words", "min_tokens", "logit_bias", "penalties", "min_p"})
+READS_HISTORY = frozenset({"penalties", "bad_words"})  # a step running either writes its ids to the history
 
 
 def parts_used(inputs: Mapping[str, torch.Tensor]) -> frozenset[str]:
@@ -100,6 +110,10 @@ def parts_used(inputs: Mapping[str, torch.Tensor]) -> frozenset[str]:
     only those (the others are no-ops for every row); a compiled one runs all of them (`PARTS`), one
     program whatever the rows ask for."""
     used = set()
+    if bool((inputs["allowed_ids"] >= 0).any()):
+        used.add("allowed")
+    if bool((inputs["bad_ids"] >= 0).any()):
+        used.add("bad_words")
     if bool((inputs["min_tokens"] > 0).any()):
         used.add("min_tokens")
     if bool((inputs["bias_ids"] >= 0).any()):
@@ -121,7 +135,8 @@ def process_logits(
     output_index: torch.Tensor,
     parts: frozenset[str] = PARTS,
 ) -> torch.Tensor:
-    """Logits `[B, vocab]` after min_tokens, logit_bias and the penalties, in vLLM's order.
+    """Logits `[B, vocab]` after allowed_token_ids, bad_words, min_tokens, logit_bias and the
+    penalties, in vLLM's order.
 
     inputs: the processing inputs on the logits' device; history: `[B, T]` each row's token ids by
     position; num_computed `[B]` int64: the row's positions 0..num_computed-1 are its tokens so far
@@ -131,6 +146,14 @@ def process_logits(
     rows, vocab = logits.shape
     dtype = logits.dtype
     spare = torch.full((), vocab, dtype=torch.long, device=logits.device)  # a column dropped after scatters
+    if "allowed" in parts:  # vLLM's allowed_token_ids_mask
+        allowed = inputs["allowed_ids"].long()  # [B, A]
+        index = torch.where(allowed >= 0, allowed, spare)
+        kept = torch.zeros((rows, vocab + 1), dtype=torch.bool, device=logits.device).scatter_(1, index, True)
+        restricted = (allowed[:, :1] >= 0) & ~kept[:, :vocab]  # a row without the list keeps every token
+        logits = logits.masked_fill(restricted, float("-inf"))
+    if "bad_words" in parts:
+        logits = logits.masked_fill(_bad_words_banned(logits, inputs, history, num_computed), float("-inf"))
     if "min_tokens" in parts:  # no stop token while the output is shorter (vLLM's MinTokensLogitsProcessor)
         stop_ids = inputs["stop_ids"].long()  # [B, S]
         short = (output_index < inputs["min_tokens"]).unsqueeze(1)  # [B, 1]
@@ -145,6 +168,28 @@ def process_logits(
     if "penalties" in parts:  # vLLM's apply_penalties: repetition on prompt and output, the others on output
         logits = _penalize(logits, inputs, history, num_computed)
     return logits
+
+
+def _bad_words_banned(
+    logits: torch.Tensor, inputs: Mapping[str, torch.Tensor], history: torch.Tensor, num_computed: torch.Tensor
+) -> torch.Tensor:
+    """bool `[B, vocab]`: the last token of each bad word whose other tokens are the row's latest
+    outputs (vLLM's apply_bad_words: a word longer than the outputs + 1 bans nothing, and the prompt
+    never completes a word's start)."""
+    rows, vocab = logits.shape
+    ids, word, back = (inputs[name].long() for name in ("bad_ids", "bad_word", "bad_back"))  # [B, N] each
+    width = ids.shape[1]
+    at = num_computed.unsqueeze(1) - back  # [B, N] the position each token must be at (0 back: the sampled one)
+    seen = history.long().gather(1, at.clamp(0, history.shape[1] - 1))  # [B, N]
+    output = at >= inputs["prompt_len"].long().unsqueeze(1)  # only outputs start a word (vLLM's past tokens)
+    missed = (ids >= 0) & (back > 0) & ~(output & (seen == ids))  # [B, N] a token before the last, not there
+    index = torch.where(word >= 0, word, width)  # [B, N] its word's column; padding: a spare one
+    misses = torch.zeros((rows, width + 1), dtype=torch.long, device=logits.device)
+    misses.scatter_add_(1, index, missed.long())  # [B, N + 1] per word
+    ban = (ids >= 0) & (back == 0) & (misses.gather(1, index) == 0)  # [B, N] a whole prefix there
+    column = torch.where(ban, ids, vocab)
+    banned = torch.zeros((rows, vocab + 1), dtype=torch.bool, device=logits.device).scatter_(1, column, True)
+    return banned[:, :vocab]
 
 
 def _penalize(

@@ -19,6 +19,7 @@ from neuron_async_sm.model.loader import load_weights
 from neuron_async_sm.model.logits_processors import (
     PARTS,
     PROCESSING,
+    READS_HISTORY,
     TokenHistory,
     parts_used,
     process_logits,
@@ -153,10 +154,10 @@ class StepProgram:
             batch = self._prepare(input_ids, positions, query_lens, slot_ids, relay_tokens, relay_rows)
             processed = self._processing_inputs(processing)
             parts = parts_used(processing) if processed is not None and self.packed else PARTS
-            if processed is not None and "penalties" in parts:
+            if processed is not None and parts & READS_HISTORY:
                 # After _prepare: the ids are final (a future's token relayed in; under TP, the
                 # output rank's, broadcast), so the in-flight token is counted and ranks agree. A
-                # penalized request is in every step that computes its tokens: its history is whole.
+                # request reading it is in every step that computes its tokens: its history is whole.
                 self._write_history(batch)
             if prompt_logprobs is None:
                 return self._forward(batch)  # [B, vocab]

@@ -38,7 +38,7 @@ import torch
 from neuron_async_sm.model.drafter import Drafter
 from neuron_async_sm.model.grammar_mask import apply_token_bitmask
 from neuron_async_sm.model.inputs import SamplingInputs
-from neuron_async_sm.model.logits_processors import parts_used, process_logits
+from neuron_async_sm.model.logits_processors import READS_HISTORY, parts_used, process_logits
 from neuron_async_sm.model.logprobs import block_width, pack_output, position_logprobs
 from neuron_async_sm.model.packed import PackedBatch
 from neuron_async_sm.model.program import StepProgram
@@ -202,7 +202,7 @@ class SpecStepProgram:
             dev = program.device
             processed = program._processing_inputs(processing)
             parts = parts_used(processing) if processed is not None else frozenset()
-            if "penalties" in parts:  # the drafts too: a later position's penalties count those before it
+            if parts & READS_HISTORY:  # the drafts too: a later position counts those before it
                 program._write_history(batch)
             if isinstance(batch, PackedBatch):
                 if batch.input_ids.numel() == 0:  # all padding: nothing ran (nor drafted: next_input -1 too)

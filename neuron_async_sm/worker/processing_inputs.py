@@ -37,6 +37,10 @@ def processing_inputs(
         "stop_ids": stops,
         "bias_ids": [[token for token, _ in p.logit_bias] for p in params],
         "bias_values": [[bias for _, bias in p.logit_bias] for p in params],
+        "allowed_ids": [p.allowed_token_ids or () for p in params],
+        "bad_ids": [[token for word in p.bad_words_token_ids for token in word] for p in params],
+        "bad_word": [[k for k, word in enumerate(p.bad_words_token_ids) for _ in word] for p in params],
+        "bad_back": [[len(word) - 1 - j for word in p.bad_words_token_ids for j in range(len(word))] for p in params],
     }
     out = {}
     for spec in PROCESSING_INPUTS:
