@@ -161,6 +161,30 @@ def test_greedy_tokens_equal_transformers_with_the_same_processors(checkpoint, e
         assert stats["async_steps"] >= stats["steps"] - 4, stats  # penalized requests stay async
 
 
+def test_bad_words_without_penalties_in_the_step_still_read_their_outputs(checkpoint, expected):
+    """No penalized row in the batch: the bad words alone make the steps write the token history
+    they read (the word's start is the outputs just before, the last one still in flight)."""
+    path, _ = checkpoint
+    requests = [r for name, r in cases().items() if name.startswith("bad_words")]
+    with LLM(str(path), device="cpu-inprocess", async_scheduling=True, **ENGINE) as llm:
+        got = {out.request_id: out.output_token_ids for out in llm.generate(requests)}
+    assert got == {r.request_id: expected[r.request_id] for r in requests}
+
+
+def test_ngram_speculation_verifies_with_allowed_ids_and_bad_words(checkpoint, expected):
+    """Verification processes each drafted position as a step would sample it: a bad word's start
+    may be a draft just before it, and an accepted run gives the reference's tokens."""
+    path, _ = checkpoint
+    names = ("allowed", "bad_words", "bad_words_three_tokens")
+    requests = [cases()[name] for name in names]
+    speculative = {"method": "ngram", "num_speculative_tokens": 3}
+    with LLM(str(path), device="cpu-inprocess", speculative_config=speculative, **ENGINE) as llm:
+        got = {out.request_id: out.output_token_ids for out in llm.generate(requests)}
+        spec = llm.stats()["spec_decode"]
+    assert got == {name: expected[name] for name in names}
+    assert spec["num_accepted_tokens"] > 0, spec
+
+
 def test_min_p_keeps_the_tokens_transformers_keeps():
     """Seeded sampling with min_p draws only tokens MinPLogitsWarper keeps, and draws each of them."""
     logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2
@@ -291,8 +315,14 @@ def test_the_compiled_devices_path_samples_what_the_host_path_samples():
     compiled.packed, compiled.fixed_context = False, True  # what an XLA device runs
     params = [
         SamplingParams(max_tokens=20, frequency_penalty=2.0, presence_penalty=0.5, repetition_penalty=1.4),
-        SamplingParams(max_tokens=20, logit_bias={998: 5.0, 15: -100.0}, min_tokens=6, stop_token_ids=(54,)),
-        SamplingParams(max_tokens=20, temperature=0.9, min_p=0.2, seed=3),
+        SamplingParams(
+            max_tokens=20,
+            logit_bias={998: 5.0, 15: -100.0},
+            min_tokens=6,
+            stop_token_ids=(54,),
+            bad_words_token_ids=((998, 998), (7,)),
+        ),
+        SamplingParams(max_tokens=20, temperature=0.9, min_p=0.2, seed=3, allowed_token_ids=tuple(range(0, 1024, 3))),
     ]
     prompts = [[9, 9, 9, 10], [9, 9, 9, 10], [5, 6, 7, 8, 5]]
     processing = {k: torch.from_numpy(v) for k, v in processing_inputs(params, np.array([4, 4, 5]), 4, (2,)).items()}
@@ -314,3 +344,5 @@ def test_the_compiled_devices_path_samples_what_the_host_path_samples():
     got = run(compiled)
     assert got == run(host)
     assert 54 not in got[1][:6] and len(set(got[0])) == len(got[0])  # min_tokens held; no repeat under penalties
+    assert [998, 998] not in [got[1][i : i + 2] for i in range(len(got[1]))] and 998 in got[1]  # bad words
+    assert all(t % 3 == 0 for t in got[2])  # allowed_token_ids
