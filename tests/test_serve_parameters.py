@@ -138,6 +138,20 @@ def _top_logprobs(call: Call, greedy: dict) -> None:
     assert [len(e["top_logprobs"]) for e in content] == [2] * 4
 
 
+def _allowed_token_ids(call: Call, greedy: dict) -> None:
+    only = tokens(call(allowed_token_ids=[7, 9]))[0]
+    assert set(only) <= {7, 9} and only != tokens(greedy)[0]
+
+
+def _bad_words(call: Call, greedy: dict) -> None:
+    """A one-word bad word is never sampled; a two-word one only loses its second word right after its first."""
+    first, second = text(greedy).split()[:2]
+    ids = tokens(greedy)[0]
+    assert tokens(call(bad_words=[first]))[0][0] != ids[0]
+    held = tokens(call(bad_words=[f"{first} {second}"]))[0]
+    assert held[0] == ids[0] and held[1] != ids[1]
+
+
 def _add_special_tokens(call: Call, greedy: dict, *, chat: bool = False) -> None:
     flipped = call(add_special_tokens=chat)  # completions: off (its default is on); chat: on
     assert flipped["usage"]["prompt_tokens"] == greedy["usage"]["prompt_tokens"] + (1 if chat else -1)
@@ -226,13 +240,13 @@ PARAMETERS: dict[str, Param] = {
     "min_tokens": Param(HONOURED, check=_min_tokens),
     "repetition_penalty": Param(HONOURED, check=lambda call, greedy: _penalty(call, repetition_penalty=2.0)),
     "prompt_logprobs": Param(REFUSED, 1),  # the logprobs helper's
+    "allowed_token_ids": Param(HONOURED, check=_allowed_token_ids),
+    "bad_words": Param(HONOURED, check=_bad_words),
     "structured_outputs": Param(HONOURED, check=lambda call, greedy: _no_grammar_here(call, "structured_outputs")),
     "prompt_embeds": Param(REFUSED, "AAAA", endpoints=("completions",)),
     **{
         name: Param(REFUSED, 1)
         for name in (
-            "allowed_token_ids",
-            "bad_words",
             "cache_salt",
             "ec_transfer_params",
             "kv_transfer_params",
@@ -375,6 +389,21 @@ def test_every_parameter_is_honoured_or_refused_by_name(server, endpoint):
         except AssertionError as exc:
             failures.append(f"{name}: {exc}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("allowed_token_ids", [5, 4096], "4096 is outside the vocabulary"),
+        ("allowed_token_ids", [], "must not be empty"),
+        ("allowed_token_ids", [-1], "non-negative"),
+        ("bad_words", [""], "non-empty strings"),
+    ],
+)
+def test_bad_values_of_the_token_lists_are_refused_naming_the_field(server, field, value, says):
+    path, request = base(server, "completions")
+    status, answer = server.post(path, {**request, field: value})
+    assert status == 400 and answer["error"]["param"] == field and says in answer["error"]["message"], answer
 
 
 def test_the_readme_table_says_the_same():

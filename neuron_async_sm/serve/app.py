@@ -208,6 +208,8 @@ class Server:
                 min_p=body.min_p,
                 min_tokens=body.min_tokens,
                 logit_bias=body.token_bias,
+                allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
+                bad_words=tuple(body.bad_words),
                 logprobs=logprobs,
                 prompt_logprobs=logprobs if body.prompt_logprobs_count is not None else None,
                 structured_outputs=structured_outputs_of(body.response_format, body.structured_outputs),

@@ -6,7 +6,8 @@ Fields OpenAI defines but this engine does not implement are accepted only at th
 Logprobs are honoured: completions' `logprobs` (with `echo`, the prompt's too) and chat's `logprobs`
 / `top_logprobs`, in vLLM's response shapes (serve/logprobs.py). Extras beyond OpenAI follow vLLM's
 names and meanings: `top_k` (-1 or 0: off), `min_p`, `min_tokens`, `repetition_penalty`,
-`stop_token_ids`, `ignore_eos`, `return_token_ids`, `stream_options.continuous_usage_stats`.
+`stop_token_ids`, `ignore_eos`, `allowed_token_ids`, `bad_words`, `return_token_ids`,
+`stream_options.continuous_usage_stats`.
 Text must be valid Unicode: a lone surrogate ("\\ud800", which JSON can carry) is a 400 naming the field.
 """
 
@@ -68,6 +69,8 @@ class _SamplingFields(_Strict):
     repetition_penalty: float = 1.0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[Text] = Field(default_factory=list)  # never sampled; the engine tokenizes them (vLLM's rule)
     return_token_ids: bool = False  # each choice carries `token_ids` (always, for a model without a tokenizer)
     skip_special_tokens: bool = True  # decoding the output drops special tokens (vLLM's default)
     include_stop_str_in_output: bool = False  # the matched stop string ends the text, rather than being cut
@@ -160,7 +163,7 @@ NOT_SUPPORTED = frozenset(
         "prediction", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "reasoning_effort",
         "safety_identifier", "service_tier", "store", "tool_choice", "tools", "verbosity", "web_search_options",
         # vLLM's extensions
-        "allowed_token_ids", "bad_words", "cache_salt", "chat_template", "chat_template_kwargs",
+        "cache_salt", "chat_template", "chat_template_kwargs",
         "continue_final_message", "documents", "ec_transfer_params", "echo", "include_reasoning", "kv_transfer_params",
         "logprob_token_ids", "media_io_kwargs", "mm_payload", "mm_processor_kwargs", "prompt_embeds",
         "repetition_detection", "return_mm_kwargs", "return_prompt_text", "return_token_offsets",

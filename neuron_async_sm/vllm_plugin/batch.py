@@ -57,7 +57,8 @@ def sampling_params(params: Any, max_tokens: int, vocab_size: int | None = None)
     holds back vLLM's own stop set (`all_stop_token_ids`: stop_token_ids, and EOS unless ignore_eos),
     as vLLM's MinTokensLogitsProcessor does, so ours is given that set and no EOS of its own. Logprobs
     counts of -1 (the whole vocabulary) become `vocab_size` (None: they stay -1), as our scheduler
-    resolves them; vLLM has checked them against its max_logprobs. The grammar stays vLLM's: its
+    resolves them; vLLM has checked them against its max_logprobs. bad_words come as vLLM tokenized
+them (`bad_words_token_ids`). The grammar stays vLLM's: its
     scheduler builds the bitmask (`KnownRequest.structured`)."""
     greedy = params.temperature < GREEDY_EPS
     return SamplingParams(
@@ -73,6 +74,9 @@ def sampling_params(params: Any, max_tokens: int, vocab_size: int | None = None)
         min_p=float(params.min_p),
         min_tokens=int(params.min_tokens),
         logit_bias=dict(params.logit_bias or {}),
+        allowed_token_ids=tuple(params.allowed_token_ids) if params.allowed_token_ids else None,
+        # vLLM's tokenization of bad_words (its input processor's, after validate_request: () there)
+        bad_words_token_ids=tuple(map(tuple, params.bad_words_token_ids or ())),
         logprobs=_count(params.logprobs, vocab_size),
         prompt_logprobs=_count(params.prompt_logprobs, vocab_size),
     )

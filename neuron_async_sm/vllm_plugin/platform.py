@@ -26,11 +26,7 @@ DEFAULT_BLOCK_SIZE = 16  # vLLM's block accounting only: our KV cache is one slo
 # vLLM sampling features our device's sampler does not implement: a request asking for one is
 # rejected with a message naming it, never run with the feature silently ignored. Everything else of
 # vLLM's SamplingParams is ours too (vllm_plugin/batch.py maps it).
-_UNSUPPORTED_SAMPLING = (
-    ("allowed_token_ids", None),
-    ("bad_words", None),
-    ("logprob_token_ids", None),
-)
+_UNSUPPORTED_SAMPLING = (("logprob_token_ids", None),)
 LOGPROBS_MODE = "raw_logprobs"  # vLLM's default, and the logprobs our device computes (model/logprobs.py)
 
 

@@ -32,6 +32,8 @@ PASSED_THROUGH = (
     "min_tokens",
     "logprobs",
     "prompt_logprobs",
+    "allowed_token_ids",
+    "bad_words",
 )
 
 

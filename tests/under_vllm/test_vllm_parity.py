@@ -98,6 +98,13 @@ WORKLOAD = [
         },
         "arrival": 2,  # joins while the others decode: its grammar rows come and go beside theirs
     },
+    # odd ids only; bad word "1s" is ["1", "s"] and, with a leading space, ["Ġ1", "s"]: the greedy's
+    # "Ġ1" "s" loses its "s" (vLLM tokenizes the words, our engine does for ours)
+    {
+        "id": "allowed-bad-words",
+        "prompt": _prompt(6, 9),
+        "params": {"max_tokens": 20, "allowed_token_ids": list(range(3, 320, 2)), "bad_words": ["1s", "G"]},
+    },
 ]
 SCHEMAS = {"json-person": PERSON, "json-flags-sampled": FLAGS}
 RUNS = [
@@ -192,6 +199,7 @@ def test_sampling_logprobs_and_json_schema_async_equal_sync_and_our_engine(ckpt,
     # min_tokens held EOS back for 6 tokens although logit_bias made it the likeliest token
     assert len(seeded["tokens"]) > 6 and EOS not in seeded["tokens"][:6], seeded["tokens"]
     assert len(sync["logprobs-chunked"]["prompt_logprobs"]) == len(WORKLOAD[3]["prompt"])
+    assert all(t % 2 == 1 for t in sync["allowed-bad-words"]["tokens"])  # allowed_token_ids honoured
     # the grammar steps took both of vLLM's paths: mask with the step, and deferred behind the step in flight
     for name in ("uni-async", "mp-async"):
         (stats,) = result.data[name]["stats"]
