@@ -191,7 +191,8 @@ class Server:
             raise ApiError(
                 400, "stop: stop strings need a tokenizer.json in the model directory; use stop_token_ids", param="stop"
             )
-        logprobs = self.logprobs_count(body)
+        logprobs = self.logprobs_count(body.logprobs_count, body.logprobs_param)
+        prompt_logprobs = self.logprobs_count(body.prompt_logprobs_count, body.prompt_logprobs_param)
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -211,11 +212,23 @@ class Server:
                 allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
                 bad_words=tuple(body.bad_words),
                 logprobs=logprobs,
-                prompt_logprobs=logprobs if body.prompt_logprobs_count is not None else None,
+                prompt_logprobs=prompt_logprobs,
                 structured_outputs=structured_outputs_of(body.response_format, body.structured_outputs),
             )
         except InvalidRequestError as exc:
             raise invalid(exc) from exc
+
+    def _truncated(self, ids: list[int], keep: int) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len - 1)."""
+        limit = self.settings.max_model_len
+        if keep > limit:
+            raise ApiError(
+                400,
+                f"truncate_prompt_tokens: {keep} is more than this model's maximum context length of {limit} tokens",
+                param="truncate_prompt_tokens",
+            )
+        keep = limit - 1 if keep == -1 else keep
+        return ids[-keep:]
 
     def _check_sequences(self, count: int) -> None:
         """A request's sequences must fit what the server would ever hold at once (the KV slots and the
@@ -229,10 +242,9 @@ class Server:
                 param="n",
             )
 
-    def logprobs_count(self, body: p.CompletionRequest | p.ChatCompletionRequest) -> int | None:
-        """The candidates per token the request asks for (vLLM's -1: the whole vocabulary), checked
-        against the engine's max_logprobs with a 400 naming the request's own field."""
-        count, param = body.logprobs_count, body.logprobs_param
+    def logprobs_count(self, count: int | None, param: str) -> int | None:
+        """The candidates per token a request's field `param` asks for (vLLM's -1: the whole
+        vocabulary), checked against the engine's max_logprobs with a 400 naming the field."""
         if count is None:
             return None
         llm = self.engine.llm
@@ -274,6 +286,8 @@ class Server:
         Every prompt's parameters are checked before any starts; if the engine refuses one, those
         already started are aborted and the whole request gets the refusal.
         """
+        if body.truncate_prompt_tokens is not None:
+            prompts = [self._truncated(ids, body.truncate_prompt_tokens) for ids in prompts]
         params = [self.sampling_params(body, len(ids), max_tokens) for ids in prompts]
         self._check_sequences(len(prompts) * body.n)
         # n sequences of each prompt (vLLM's parallel sampling), prompt-major: choice index = prompt
@@ -298,7 +312,7 @@ class Server:
             request_id,
             self.settings.model_name,
             body.return_token_ids or self.tokenizer is None,
-            tokenizer=self.tokenizer,
+            tokenizer=None if body.return_tokens_as_token_ids else self.tokenizer,  # None: "token_id:<id>"
             logprobs=params[0].logprobs,  # the candidates shown per token (every prompt asks the same)
             echo=getattr(body, "echo", False),
         )
@@ -407,7 +421,7 @@ async def chat(request: Request, body: ChatCompletionBody) -> Response:
     prompt = await server.encode_chat(
         body.messages, add_generation_prompt=body.add_generation_prompt, add_special_tokens=body.add_special_tokens
     )
-    return await server.generate(request, body, [prompt], body.token_limit, ChatFormat, "chatcmpl")
+    return await server.generate(request, body, [prompt], body.token_limit, ChatFormat, "chatcmpl", [body.echoed])
 
 
 @router.post("/tokenize")

@@ -21,7 +21,7 @@ from neuron_async_sm.engine.async_llm import AsyncLLM, RequestStream
 from neuron_async_sm.outputs import TokenLogprobs
 from neuron_async_sm.serve import protocol as p
 from neuron_async_sm.serve.errors import GenerationEnded
-from neuron_async_sm.serve.logprobs import chat_logprobs, completion_logprobs
+from neuron_async_sm.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from neuron_async_sm.serve.tokenizer import IncrementalText, ServedTokenizer
 
 
@@ -148,7 +148,7 @@ class _Answer:
     return_token_ids: bool  # each choice carries its `token_ids`
     tokenizer: ServedTokenizer | None = None  # the logprobs' token texts
     logprobs: int | None = None  # candidates per token the response shows (None: no logprobs)
-    echo: bool = False  # completions: the prompt (and its logprobs) before the output
+    echo: bool = False  # completions: the prompt (and its logprobs) before the output; chat: `prompt_text`
 
     def _ids(self, ids: list[int]) -> list[int] | None:
         return list(ids) if self.return_token_ids else None
@@ -189,6 +189,10 @@ class CompletionFormat(_Answer):
             return None
         return completion_logprobs(self.tokenizer, ids, positions or [None] * len(ids), self.logprobs, offset)
 
+    def _prompt_logprobs(self, choice: Choice) -> list[dict[int, p.PromptLogprob] | None]:
+        positions = choice.prompt_logprobs or []
+        return prompt_logprobs(self.tokenizer, positions)
+
     def usage_chunk(self, usage: p.Usage) -> p.CompletionResponse:
         return p.CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
 
@@ -205,6 +209,7 @@ class CompletionFormat(_Answer):
                     finish_reason=c.finish_reason,
                     logprobs=self._logprobs(ids, positions, 0),
                     token_ids=self._ids(c.token_ids),
+                    prompt_logprobs=None if c.prompt_logprobs is None else self._prompt_logprobs(c),
                 )
             )
         return p.CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=generation.usage())
@@ -219,9 +224,13 @@ class ChatFormat(_Answer):
         return self._chunk(p.ChatChunkChoice(index=choice.index, delta=delta, token_ids=self._ids([])))
 
     def chunk(self, choice: Choice, piece: Piece, usage: p.Usage | None) -> p.ChatCompletionChunk:
+        text = piece.text
+        if self.echo and not choice.echoed:  # vLLM's chat echo: the last message's text first
+            choice.echoed = True
+            text = choice.prompt_text + text
         out = p.ChatChunkChoice(
             index=choice.index,
-            delta=p.ChatDelta(content=piece.text),
+            delta=p.ChatDelta(content=text),
             finish_reason=piece.finish_reason,
             logprobs=self._logprobs(piece.logprobs),
             token_ids=self._ids(piece.token_ids),
@@ -240,7 +249,7 @@ class ChatFormat(_Answer):
         choices = [
             p.ChatChoice(
                 index=c.index,
-                message=p.AssistantMessage(content=texts[c.index]),
+                message=p.AssistantMessage(content=(c.prompt_text if self.echo else "") + texts[c.index]),
                 finish_reason=c.finish_reason,
                 logprobs=self._logprobs(c.logprobs),
                 token_ids=self._ids(c.token_ids),

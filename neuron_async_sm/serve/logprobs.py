@@ -51,6 +51,30 @@ def completion_logprobs(
     return out
 
 
+def prompt_logprobs(
+    tokenizer: ServedTokenizer | None, positions: list[TokenLogprobs | None]
+) -> list[dict[int, p.PromptLogprob] | None]:
+    """A choice's `prompt_logprobs` as vLLM returns them: per prompt token (None for the first) the
+    token's own logprob and rank, then the top tokens' (ranks 1, 2, ...), keyed by token id."""
+    out: list[dict[int, p.PromptLogprob] | None] = []
+    for position in positions:
+        if position is None:
+            out.append(None)
+            continue
+        ranks = {position.token_id: position.rank}
+        for i, token in enumerate(position.top_ids):
+            ranks.setdefault(token, i + 1)
+        out.append(
+            {
+                token: p.PromptLogprob(
+                    logprob=max(logprob, FLOOR), rank=ranks[token], decoded_token=token_text(tokenizer, token)
+                )
+                for token, logprob in position.as_dict().items()
+            }
+        )
+    return out
+
+
 def chat_logprobs(tokenizer: ServedTokenizer | None, positions: list[TokenLogprobs], top: int) -> p.ChatLogprobs:
     """One choice's (or one chunk's) `logprobs`: each sampled token's, and its first `top` candidates."""
     content = []

@@ -70,6 +70,8 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     allowed_token_ids: list[int] | None = None  # only these may be sampled
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len - 1)
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:<id>" (vLLM's)
     bad_words: list[Text] = Field(default_factory=list)  # never sampled; the engine tokenizes them (vLLM's rule)
     return_token_ids: bool = False  # each choice carries `token_ids` (always, for a model without a tokenizer)
     skip_special_tokens: bool = True  # decoding the output drops special tokens (vLLM's default)
@@ -96,6 +98,10 @@ class _SamplingFields(_Strict):
         """Top tokens per prompt token (SamplingParams.prompt_logprobs); None: none."""
         return None
 
+    @property
+    def prompt_logprobs_param(self) -> str:
+        return "prompt_logprobs"
+
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to a value this engine cannot honour."""
         for name, neutral in _NEUTRAL_ONLY.items():
@@ -103,6 +109,10 @@ class _SamplingFields(_Strict):
                 return name, f"{name} is not supported (only {json.dumps(neutral)})"
         if any(not key.isdecimal() for key in self.logit_bias or {}):
             return "logit_bias", "logit_bias: keys must be token ids (decimal integers as strings)"
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:
+            return "truncate_prompt_tokens", f"must be -1 or an integer >= 1, got {self.truncate_prompt_tokens}"
+        if self.truncate_prompt_tokens == 0:
+            return "truncate_prompt_tokens", "0 would leave an empty prompt"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only for stream=true"  # vLLM refuses it too
         return None
@@ -164,11 +174,11 @@ NOT_SUPPORTED = frozenset(
         "safety_identifier", "service_tier", "store", "tool_choice", "tools", "verbosity", "web_search_options",
         # vLLM's extensions
         "cache_salt", "chat_template", "chat_template_kwargs",
-        "continue_final_message", "documents", "ec_transfer_params", "echo", "include_reasoning", "kv_transfer_params",
-        "logprob_token_ids", "media_io_kwargs", "mm_payload", "mm_processor_kwargs", "prompt_embeds",
+        "continue_final_message", "documents", "ec_transfer_params", "include_reasoning", "kv_transfer_params",
+        "logprob_token_ids", "media_io_kwargs", "mm_payload", "mm_processor_kwargs", "prompt_embeds", "prompt_logprobs",
         "repetition_detection", "return_mm_kwargs", "return_prompt_text", "return_token_offsets",
-        "return_tokens_as_token_ids", "return_weight_versions", "routed_experts_prompt_start", "session_id",
-        "stream_interval", "thinking_token_budget", "truncate_prompt_tokens", "truncation_side", "vllm_xargs",
+        "return_weight_versions", "routed_experts_prompt_start", "session_id",
+        "stream_interval", "thinking_token_budget", "truncation_side", "vllm_xargs",
         "watermarking",
     }
 )  # fmt: skip
@@ -181,6 +191,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and its top N (choice.prompt_logprobs)
     best_of: int | None = None
     suffix: Text | None = None
     add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's special tokens (BOS)
@@ -198,7 +209,13 @@ class CompletionRequest(_SamplingFields):
 
     @property
     def prompt_logprobs_count(self) -> int | None:
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
         return self.logprobs if self.echo else None  # vLLM: echo with logprobs returns the prompt's too
+
+    @property
+    def prompt_logprobs_param(self) -> str:
+        return "prompt_logprobs" if self.prompt_logprobs is not None else "logprobs"
 
     def unsupported(self) -> tuple[str, str] | None:
         if isinstance(self.prompt, list) and not self.prompt:
@@ -211,6 +228,8 @@ class CompletionRequest(_SamplingFields):
             return "best_of", f"best_of > n is not supported (best_of={self.best_of}, n={self.n}); ask for n sequences"
         if self.suffix is not None:
             return "suffix", "suffix is not supported"
+        if self.prompt_logprobs is not None and self.stream:  # vLLM's rule
+            return "prompt_logprobs", "prompt_logprobs are not available with stream=true"
         return super().unsupported()
 
 
@@ -236,8 +255,18 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None  # with logprobs: how many candidates per token (0..max_logprobs)
     add_generation_prompt: bool = True  # vLLM extra: the template's cue for the assistant's turn
     add_special_tokens: bool = False  # vLLM extra: the template writes them; True adds the tokenizer's too
+    echo: bool = False  # vLLM's: the last message's content before the reply, when its role is the reply's
 
     logprobs_param: ClassVar[str] = "top_logprobs"
+
+    @property
+    def echoed(self) -> str:
+        """What `echo` puts before the reply (vLLM's rule): the last message's text when its role is the
+        reply's (`assistant`, or the last message's own role without add_generation_prompt)."""
+        last = self.messages[-1]
+        if not self.echo or (self.add_generation_prompt and last.role != "assistant"):
+            return ""
+        return "\n".join(p.text for p in last.content) if isinstance(last.content, list) else last.content
 
     @property
     def logprobs_count(self) -> int | None:
@@ -321,12 +350,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobContent] | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one token's at one prompt position."""
+
+    logprob: float
+    rank: int | None = None  # 1: the most likely
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: FinishReason
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
+    # vLLM's: per prompt token (None for the first) its own and the top tokens', keyed by token id
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

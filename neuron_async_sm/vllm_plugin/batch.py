@@ -53,13 +53,13 @@ class HeldRequest:
 def sampling_params(params: Any, max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
     """Our sampling parameters from vLLM's (the platform's validate_request refuses what we lack).
 
-    Stops, max_tokens and EOS are vLLM's business: our runner samples and processes logits. min_tokens
-    holds back vLLM's own stop set (`all_stop_token_ids`: stop_token_ids, and EOS unless ignore_eos),
-    as vLLM's MinTokensLogitsProcessor does, so ours is given that set and no EOS of its own. Logprobs
-    counts of -1 (the whole vocabulary) become `vocab_size` (None: they stay -1), as our scheduler
-    resolves them; vLLM has checked them against its max_logprobs. bad_words come as vLLM tokenized
-them (`bad_words_token_ids`). The grammar stays vLLM's: its
-    scheduler builds the bitmask (`KnownRequest.structured`)."""
+        Stops, max_tokens and EOS are vLLM's business: our runner samples and processes logits. min_tokens
+        holds back vLLM's own stop set (`all_stop_token_ids`: stop_token_ids, and EOS unless ignore_eos),
+        as vLLM's MinTokensLogitsProcessor does, so ours is given that set and no EOS of its own. Logprobs
+        counts of -1 (the whole vocabulary) become `vocab_size` (None: they stay -1), as our scheduler
+        resolves them; vLLM has checked them against its max_logprobs. bad_words come as vLLM tokenized
+    them (`bad_words_token_ids`). The grammar stays vLLM's: its
+        scheduler builds the bitmask (`KnownRequest.structured`)."""
     greedy = params.temperature < GREEDY_EPS
     return SamplingParams(
         max_tokens=max(1, max_tokens),
