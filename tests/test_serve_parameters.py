@@ -119,7 +119,45 @@ def _min_tokens(call: Call, greedy: dict) -> None:
 
 
 def _echo(call: Call, greedy: dict) -> None:
+    if "message" in greedy["choices"][0]:  # chat (vLLM's): the last message first when its role is the reply's
+        assert text(call(echo=True)) == text(greedy)  # the last message is the user's
+        assert text(call(echo=True, add_generation_prompt=False)).startswith("w5 w6")
+        return
     assert text(call(echo=True)) == "w12 w13 w14 w15" + text(greedy)  # the prompt as written, then the output
+
+
+def _prompt_logprobs(call: Call, greedy: dict) -> None:
+    """vLLM's shape: per prompt token (None for the first) a map of token id to logprob, rank and
+    decoded_token, the prompt's own token first (tests/test_serve_logprobs.py: the values)."""
+    answer = call(prompt_logprobs=2)
+    assert tokens(answer) == tokens(greedy)
+    positions = answer["choices"][0]["prompt_logprobs"]
+    assert len(positions) == answer["usage"]["prompt_tokens"] == 5 and positions[0] is None
+    words = ["w12", "w13", "w14", "w15"]
+    for word, entries in zip(words, positions[1:], strict=True):
+        first = next(iter(entries.values()))
+        assert first["decoded_token"] == word and first["logprob"] <= 0 and first["rank"] >= 1
+        assert 2 <= len(entries) <= 3 and {1, 2} <= {e["rank"] for e in entries.values()}
+
+
+def _return_tokens_as_token_ids(call: Call, greedy: dict) -> None:
+    ids = tokens(greedy)[0]
+    if "message" in greedy["choices"][0]:
+        content = call(logprobs=True, return_tokens_as_token_ids=True)["choices"][0]["logprobs"]["content"]
+        assert [e["token"] for e in content] == [f"token_id:{t}" for t in ids]
+        return
+    logprobs = call(logprobs=1, return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [f"token_id:{t}" for t in ids]
+    assert all(all(k.startswith("token_id:") for k in top) for top in logprobs["top_logprobs"])
+
+
+def _truncate_prompt_tokens(call: Call, greedy: dict) -> None:
+    cut = call(truncate_prompt_tokens=2)
+    assert cut["usage"]["prompt_tokens"] == 2
+    if "message" not in greedy["choices"][0]:  # the last two tokens, as if sent alone
+        alone = call(prompt="w14 w15", add_special_tokens=False)
+        assert tokens(cut) == tokens(alone) != tokens(greedy)
+    assert call(truncate_prompt_tokens=-1)["usage"] == greedy["usage"]  # max_model_len - 1: nothing cut
 
 
 def _logprobs(call: Call, greedy: dict) -> None:
@@ -184,7 +222,7 @@ PARAMETERS: dict[str, Param] = {
     "stream": Param(HONOURED, check=_stream),
     "stream_options": Param(HONOURED, check=_stream_options),
     "user": Param(ACCEPTED),  # as vLLM: an end-user id for the operator's own records
-    "echo": Param(HONOURED, True, check=_echo, chat_refused=True),  # chat's echo is vLLM's own: refused
+    "echo": Param(HONOURED, check=_echo),
     "logprobs": Param(HONOURED, check=_logprobs),
     "top_logprobs": Param(HONOURED, check=_top_logprobs, endpoints=("chat",)),
     "frequency_penalty": Param(HONOURED, check=lambda call, greedy: _penalty(call, frequency_penalty=2.0)),
@@ -239,7 +277,9 @@ PARAMETERS: dict[str, Param] = {
     "min_p": Param(HONOURED, check=lambda c, g: tokens(c(temperature=2.0, seed=3, min_p=1.0)) == tokens(g) or _fail()),
     "min_tokens": Param(HONOURED, check=_min_tokens),
     "repetition_penalty": Param(HONOURED, check=lambda call, greedy: _penalty(call, repetition_penalty=2.0)),
-    "prompt_logprobs": Param(REFUSED, 1),  # the logprobs helper's
+    "prompt_logprobs": Param(HONOURED, 1, check=_prompt_logprobs, chat_refused=True),
+    "return_tokens_as_token_ids": Param(HONOURED, check=_return_tokens_as_token_ids),
+    "truncate_prompt_tokens": Param(HONOURED, check=_truncate_prompt_tokens),
     "allowed_token_ids": Param(HONOURED, check=_allowed_token_ids),
     "bad_words": Param(HONOURED, check=_bad_words),
     "structured_outputs": Param(HONOURED, check=lambda call, greedy: _no_grammar_here(call, "structured_outputs")),
@@ -255,13 +295,11 @@ PARAMETERS: dict[str, Param] = {
             "repetition_detection",
             "return_mm_kwargs",
             "return_token_offsets",
-            "return_tokens_as_token_ids",
             "return_weight_versions",
             "routed_experts_prompt_start",
             "session_id",
             "stream_interval",
             "thinking_token_budget",
-            "truncate_prompt_tokens",
             "truncation_side",
             "vllm_xargs",
             "watermarking",
@@ -398,6 +436,9 @@ def test_every_parameter_is_honoured_or_refused_by_name(server, endpoint):
         ("allowed_token_ids", [], "must not be empty"),
         ("allowed_token_ids", [-1], "non-negative"),
         ("bad_words", [""], "non-empty strings"),
+        ("truncate_prompt_tokens", 97, "maximum context length of 96"),
+        ("truncate_prompt_tokens", -2, "must be -1 or"),
+        ("prompt_logprobs", 21, "--max-logprobs"),
     ],
 )
 def test_bad_values_of_the_token_lists_are_refused_naming_the_field(server, field, value, says):
@@ -425,25 +466,45 @@ def test_the_openai_client_sends_every_honoured_parameter_at_once(server):
     sampled = dict(temperature=0.5, top_p=0.9, seed=3, stop=["w60"], n=2, user="someone")
     vllm = dict(top_k=5, stop_token_ids=[59], ignore_eos=True, return_token_ids=True, skip_special_tokens=False)
     vllm.update(include_stop_str_in_output=True)
+    vllm.update(allowed_token_ids=[59, 60, 61, 62], bad_words=["w61"], truncate_prompt_tokens=2)
     out = client.completions.create(
         model=server.model,
-        prompt="w12 w13",
+        prompt="w11 w12 w13",
         max_tokens=4,
         best_of=2,
-        extra_body={**vllm, "add_special_tokens": False, "request_id": "all-1"},
+        logprobs=1,
+        extra_body={
+            **vllm,
+            "add_special_tokens": False,
+            "request_id": "all-1",
+            "prompt_logprobs": 1,
+            "return_tokens_as_token_ids": True,
+        },
         **sampled,
     )
     assert out.id.endswith("-all-1") and [c.index for c in out.choices] == [0, 1], out
     assert all(c.token_ids for c in out.choices) and out.usage.prompt_tokens == 2
+    for c in out.choices:
+        assert set(c.token_ids) <= {59, 60, 62} and c.logprobs.tokens[0].startswith("token_id:")
+        assert c.prompt_logprobs[0] is None and len(c.prompt_logprobs) == 2
     chunks = client.chat.completions.create(
         model=server.model,
         messages=[{"role": "user", "content": "w12 w13"}],
         max_completion_tokens=4,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={**vllm, "add_generation_prompt": False, "add_special_tokens": True, "request_id": "all-2"},
+        extra_body={
+            **vllm,
+            "add_generation_prompt": False,
+            "add_special_tokens": True,
+            "request_id": "all-2",
+            "echo": True,
+        },
         **sampled,
     )
     chunks = list(chunks)
     assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
     assert chunks[-1].usage is not None and chunks[-1].id.endswith("-all-2")
+    for index in (0, 1):  # echo: the last message first, then only allowed words
+        reply = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == index)
+        assert reply.startswith("w12 w13") and set(reply[len("w12 w13") :].split()) <= {"w59", "w60", "w62"}, reply
