@@ -20,9 +20,13 @@ import torch
 from support.reference import VOCAB, hf_greedy, save_hf_model
 
 from neuron_async_sm import LLM, SamplingParams
+from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.engine.llm import PromptRequest
 from neuron_async_sm.model.sampler import sample_tokens
 from neuron_async_sm.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from neuron_async_sm.request import Request
+from neuron_async_sm.sampling_params import InvalidRequestError, bad_words_token_ids
+from neuron_async_sm.scheduler import Scheduler
 from neuron_async_sm.worker.model_runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
@@ -346,3 +350,41 @@ def test_the_compiled_devices_path_samples_what_the_host_path_samples():
     assert 54 not in got[1][:6] and len(set(got[0])) == len(got[0])  # min_tokens held; no repeat under penalties
     assert [998, 998] not in [got[1][i : i + 2] for i in range(len(got[1]))] and 998 in got[1]  # bad words
     assert all(t % 3 == 0 for t in got[2])  # allowed_token_ids
+
+
+# -- bad_words' tokenization, and the refusals (no engine) ---------------------------------------------
+
+
+def test_bad_words_are_tokenized_by_vllms_rule():
+    """Each word bare (leading spaces dropped); with one leading space too when that starts with
+    another token and has as many tokens: vLLM's SamplingParams.update_from_tokenizer."""
+    vocab = {"cat": [5], " cat": [6], "big dog": [7, 8], " big dog": [9, 8], "ox": [3, 4], " ox": [2], "a": [1]}
+    vocab[" a"] = [1]  # the same first token: not added again
+
+    def encode(text: str) -> list[int]:
+        return vocab[text]
+
+    got = bad_words_token_ids(["cat", "  big dog", "ox", "a"], encode, vocab_size=10)
+    assert got == ((5,), (6,), (7, 8), (9, 8), (3, 4), (1,))
+    with pytest.raises(InvalidRequestError, match="bad_words: .* outside the vocabulary"):
+        bad_words_token_ids(["cat"], encode, vocab_size=6)
+    with pytest.raises(InvalidRequestError, match="bad_words: 'x' tokenizes to no token"):
+        bad_words_token_ids(["x"], lambda text: [], vocab_size=6)
+    with pytest.raises(InvalidRequestError, match="bad_words: more than 128"):
+        bad_words_token_ids([f"w{i}" for i in range(65)], lambda text: [len(text)], vocab_size=10)
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"allowed_token_ids": [3, 100]}, "allowed_token_ids: token id 100 is outside the vocabulary"),
+        ({"allowed_token_ids": []}, "allowed_token_ids: must not be empty"),
+        ({"bad_words": ["w"]}, "bad_words: the model has no tokenizer.json"),
+        ({"bad_words": [""]}, "bad_words: must be non-empty strings"),
+        ({"bad_words_token_ids": [[3, 100]]}, "bad_words: token id 100 is outside the vocabulary"),
+    ],
+)
+def test_bad_allowed_ids_and_bad_words_are_refused_naming_the_field(fields, says):
+    scheduler = Scheduler(EngineConfig(max_model_len=32), eos_token_ids=(), vocab_size=100)
+    with pytest.raises(InvalidRequestError, match=says):
+        scheduler.add_request(Request("r", [1, 2], SamplingParams(**fields), 0, 0))
