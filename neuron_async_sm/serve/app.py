@@ -139,20 +139,30 @@ class Server:
             code="context_length_exceeded",
         )
 
-    async def encode(self, text: str, param: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Text -> token ids in a thread; text too long to fit is refused without being tokenized."""
+    async def encode(
+        self, text: str, param: str, *, add_special_tokens: bool = True, truncated: bool = False
+    ) -> list[int]:
+        """Text -> token ids in a thread; text too long to fit is refused without being tokenized,
+        unless the request truncates it (truncate_prompt_tokens; the body limit still bounds it)."""
         tokenizer = self.needs_tokenizer(param, "text prompts")
-        if not tokenizer.may_fit(len(text), self.settings.max_model_len):
+        if not truncated and not tokenizer.may_fit(len(text), self.settings.max_model_len):
             raise self._too_long(f"more than {self.settings.max_model_len}", param)
         return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     async def encode_chat(
-        self, chat: list[p.ChatMessage], *, add_generation_prompt: bool, add_special_tokens: bool = False
+        self,
+        chat: list[p.ChatMessage],
+        *,
+        add_generation_prompt: bool,
+        add_special_tokens: bool = False,
+        truncated: bool = False,
     ) -> list[int]:
-        """Render the chat template and encode, in a thread; a chat too long to fit is refused unrendered."""
+        """Render the chat template and encode, in a thread; a chat too long to fit is refused unrendered
+        unless the request truncates it."""
         tokenizer = self.needs_tokenizer("messages", "chat and its template")
         messages = [{"role": m.role, "content": m.text()} for m in chat]
-        if not tokenizer.may_fit(sum(len(m["content"]) for m in messages), self.settings.max_model_len):
+        chars = sum(len(m["content"]) for m in messages)
+        if not truncated and not tokenizer.may_fit(chars, self.settings.max_model_len):
             raise self._too_long(f"more than {self.settings.max_model_len}", "messages")
         try:
             return await asyncio.to_thread(
@@ -403,7 +413,12 @@ async def completions(request: Request, body: CompletionBody) -> Response:
     server = _server(request)
     server.check(body)
     prompts = [
-        await server.encode(prompt, "prompt", add_special_tokens=body.add_special_tokens)
+        await server.encode(
+            prompt,
+            "prompt",
+            add_special_tokens=body.add_special_tokens,
+            truncated=body.truncate_prompt_tokens is not None,
+        )
         if isinstance(prompt, str)
         else list(prompt)
         for prompt in body.prompts
@@ -419,7 +434,10 @@ async def chat(request: Request, body: ChatCompletionBody) -> Response:
     server = _server(request)
     server.check(body)
     prompt = await server.encode_chat(
-        body.messages, add_generation_prompt=body.add_generation_prompt, add_special_tokens=body.add_special_tokens
+        body.messages,
+        add_generation_prompt=body.add_generation_prompt,
+        add_special_tokens=body.add_special_tokens,
+        truncated=body.truncate_prompt_tokens is not None,
     )
     return await server.generate(request, body, [prompt], body.token_limit, ChatFormat, "chatcmpl", [body.echoed])
 
