@@ -159,7 +159,7 @@ def _truncate_prompt_tokens(call: Call, greedy: dict) -> None:
         assert tokens(cut) == tokens(alone) != tokens(greedy)
     assert call(truncate_prompt_tokens=-1)["usage"] == greedy["usage"]  # max_model_len - 1: nothing cut
     # a prompt far longer than the context fits once truncated (refused unread without it)
-    long = "w12 " * 300
+    long = "w12 " * 5000
     body = {"messages": [{"role": "user", "content": long}]} if "message" in greedy["choices"][0] else {"prompt": long}
     assert call(truncate_prompt_tokens=-1, max_tokens=1, **body)["usage"]["prompt_tokens"] == 95
 
