@@ -25,6 +25,8 @@ def vllm_params(**fields) -> SimpleNamespace:
         repetition_penalty=1.0,
         min_tokens=0,
         logit_bias=None,
+        allowed_token_ids=None,
+        bad_words_token_ids=None,  # vLLM's tokenization of bad_words (None: none)
         logprobs=None,
         prompt_logprobs=None,
         structured_outputs=None,
@@ -69,6 +71,8 @@ def test_every_supported_vllm_sampling_parameter_reaches_ours():
         logprobs=-1,
         prompt_logprobs=2,
         all_stop_token_ids={2, 7},
+        allowed_token_ids=[5, 6, 9],
+        bad_words_token_ids=[[3], [8, 4]],
     )
     ours = sampling_params(params, 16, VOCAB)
     assert (ours.temperature, ours.top_k, ours.min_p) == (0.7, 0, 0.1)
@@ -77,6 +81,7 @@ def test_every_supported_vllm_sampling_parameter_reaches_ours():
     # min_tokens holds back vLLM's whole stop set (its stop ids and EOS); we add no EOS of our own
     assert (ours.min_tokens, ours.stop_token_ids, ours.ignore_eos) == (3, (2, 7), True)
     assert (ours.logprobs, ours.prompt_logprobs) == (VOCAB, 2)  # -1: the whole vocabulary
+    assert (ours.allowed_token_ids, ours.bad_words_token_ids) == ((5, 6, 9), ((3,), (8, 4)))
 
 
 def test_a_restarted_request_keeps_its_parameters_but_not_its_prompt_logprobs():
