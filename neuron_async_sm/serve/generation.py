@@ -189,10 +189,6 @@ class CompletionFormat(_Answer):
             return None
         return completion_logprobs(self.tokenizer, ids, positions or [None] * len(ids), self.logprobs, offset)
 
-    def _prompt_logprobs(self, choice: Choice) -> list[dict[int, p.PromptLogprob] | None]:
-        positions = choice.prompt_logprobs or []
-        return prompt_logprobs(self.tokenizer, positions)
-
     def usage_chunk(self, usage: p.Usage) -> p.CompletionResponse:
         return p.CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
 
@@ -209,7 +205,9 @@ class CompletionFormat(_Answer):
                     finish_reason=c.finish_reason,
                     logprobs=self._logprobs(ids, positions, 0),
                     token_ids=self._ids(c.token_ids),
-                    prompt_logprobs=None if c.prompt_logprobs is None else self._prompt_logprobs(c),
+                    prompt_logprobs=None
+                    if c.prompt_logprobs is None
+                    else prompt_logprobs(self.tokenizer, c.prompt_logprobs),
                 )
             )
         return p.CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=generation.usage())
@@ -256,7 +254,14 @@ class ChatFormat(_Answer):
             )
             for c in generation.choices
         ]
-        return p.ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=generation.usage())
+        return p.ChatCompletionResponse(
+            id=self.request_id,
+            model=self.model,
+            choices=choices,
+            usage=generation.usage(),
+            # one prompt: every choice has the same
+            prompt_logprobs=prompt_logprobs(self.tokenizer, generation.choices[0].prompt_logprobs),
+        )
 
 
 # -- the two ways to answer ------------------------------------------------------------------------

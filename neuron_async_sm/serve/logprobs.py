@@ -52,10 +52,13 @@ def completion_logprobs(
 
 
 def prompt_logprobs(
-    tokenizer: ServedTokenizer | None, positions: list[TokenLogprobs | None]
-) -> list[dict[int, p.PromptLogprob] | None]:
-    """A choice's `prompt_logprobs` as vLLM returns them: per prompt token (None for the first) the
-    token's own logprob and rank, then the top tokens' (ranks 1, 2, ...), keyed by token id."""
+    tokenizer: ServedTokenizer | None, positions: list[TokenLogprobs | None] | None
+) -> list[dict[int, p.PromptLogprob] | None] | None:
+    """A response's `prompt_logprobs` as vLLM returns them: per prompt token (None for the first) the
+    token's own logprob and rank, then the top tokens' (ranks 1, 2, ...), keyed by token id; None
+    when the request asked for none."""
+    if positions is None:
+        return None
     out: list[dict[int, p.PromptLogprob] | None] = []
     for position in positions:
         if position is None:

@@ -72,6 +72,7 @@ class _SamplingFields(_Strict):
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len - 1)
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:<id>" (vLLM's)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and its top N
     bad_words: list[Text] = Field(default_factory=list)  # never sampled; the engine tokenizes them (vLLM's rule)
     return_token_ids: bool = False  # each choice carries `token_ids` (always, for a model without a tokenizer)
     skip_special_tokens: bool = True  # decoding the output drops special tokens (vLLM's default)
@@ -96,7 +97,7 @@ class _SamplingFields(_Strict):
     @property
     def prompt_logprobs_count(self) -> int | None:
         """Top tokens per prompt token (SamplingParams.prompt_logprobs); None: none."""
-        return None
+        return self.prompt_logprobs
 
     @property
     def prompt_logprobs_param(self) -> str:
@@ -113,6 +114,8 @@ class _SamplingFields(_Strict):
             return "truncate_prompt_tokens", f"must be -1 or an integer >= 1, got {self.truncate_prompt_tokens}"
         if self.truncate_prompt_tokens == 0:
             return "truncate_prompt_tokens", "0 would leave an empty prompt"
+        if self.prompt_logprobs is not None and self.stream:  # vLLM's rule
+            return "prompt_logprobs", "prompt_logprobs are not available with stream=true"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only for stream=true"  # vLLM refuses it too
         return None
@@ -175,7 +178,7 @@ NOT_SUPPORTED = frozenset(
         # vLLM's extensions
         "cache_salt", "chat_template", "chat_template_kwargs",
         "continue_final_message", "documents", "ec_transfer_params", "include_reasoning", "kv_transfer_params",
-        "logprob_token_ids", "media_io_kwargs", "mm_payload", "mm_processor_kwargs", "prompt_embeds", "prompt_logprobs",
+        "logprob_token_ids", "media_io_kwargs", "mm_payload", "mm_processor_kwargs", "prompt_embeds",
         "repetition_detection", "return_mm_kwargs", "return_prompt_text", "return_token_offsets",
         "return_weight_versions", "routed_experts_prompt_start", "session_id",
         "stream_interval", "thinking_token_budget", "truncation_side", "vllm_xargs",
@@ -191,7 +194,6 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
-    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and its top N (choice.prompt_logprobs)
     best_of: int | None = None
     suffix: Text | None = None
     add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's special tokens (BOS)
@@ -228,8 +230,6 @@ class CompletionRequest(_SamplingFields):
             return "best_of", f"best_of > n is not supported (best_of={self.best_of}, n={self.n}); ask for n sequences"
         if self.suffix is not None:
             return "suffix", "suffix is not supported"
-        if self.prompt_logprobs is not None and self.stream:  # vLLM's rule
-            return "prompt_logprobs", "prompt_logprobs are not available with stream=true"
         return super().unsupported()
 
 
@@ -258,6 +258,16 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False  # vLLM's: the last message's content before the reply, when its role is the reply's
 
     logprobs_param: ClassVar[str] = "top_logprobs"
+
+    @property
+    def prompt_logprobs_count(self) -> int | None:
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.top_logprobs if self.echo else None  # vLLM's: echo asks for the prompt's too
+
+    @property
+    def prompt_logprobs_param(self) -> str:
+        return "prompt_logprobs" if self.prompt_logprobs is not None else "top_logprobs"
 
     @property
     def echoed(self) -> str:
@@ -397,6 +407,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's, as a completion choice's
 
 
 class ChatDelta(BaseModel):
