@@ -163,6 +163,8 @@ def _truncate_prompt_tokens(call: Call, greedy: dict) -> None:
         alone = call(prompt="w14 w15", add_special_tokens=False)
         assert tokens(cut) == tokens(alone) != tokens(greedy)
     assert call(truncate_prompt_tokens=-1)["usage"] == greedy["usage"]  # max_model_len - 1: nothing cut
+    if "message" not in greedy["choices"][0]:  # truncation_side "right": the first two, <s> w12
+        assert tokens(call(truncate_prompt_tokens=2, truncation_side="right")) == tokens(call(prompt="w12"))
     # a prompt far longer than the context fits once truncated (refused unread without it)
     long = "w12 " * 5000
     body = {"messages": [{"role": "user", "content": long}]} if "message" in greedy["choices"][0] else {"prompt": long}
@@ -289,6 +291,7 @@ PARAMETERS: dict[str, Param] = {
     "prompt_logprobs": Param(HONOURED, check=_prompt_logprobs),
     "return_tokens_as_token_ids": Param(HONOURED, check=_return_tokens_as_token_ids),
     "truncate_prompt_tokens": Param(HONOURED, check=_truncate_prompt_tokens),
+    "truncation_side": Param(HONOURED, check=lambda call, greedy: None),  # in _truncate_prompt_tokens
     "allowed_token_ids": Param(HONOURED, check=_allowed_token_ids),
     "bad_words": Param(HONOURED, check=_bad_words),
     "structured_outputs": Param(HONOURED, check=lambda call, greedy: _no_grammar_here(call, "structured_outputs")),
@@ -309,7 +312,6 @@ PARAMETERS: dict[str, Param] = {
             "session_id",
             "stream_interval",
             "thinking_token_budget",
-            "truncation_side",
             "vllm_xargs",
             "watermarking",
         )

@@ -228,8 +228,9 @@ class Server:
         except InvalidRequestError as exc:
             raise invalid(exc) from exc
 
-    def _truncated(self, ids: list[int], keep: int) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len - 1)."""
+    def _truncated(self, ids: list[int], keep: int, side: str | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len - 1), or
+        its first with truncation_side "right"."""
         limit = self.settings.max_model_len
         if keep > limit:
             raise ApiError(
@@ -238,7 +239,7 @@ class Server:
                 param="truncate_prompt_tokens",
             )
         keep = limit - 1 if keep == -1 else keep
-        return ids[-keep:]
+        return ids[:keep] if side == "right" else ids[-keep:]
 
     def _check_sequences(self, count: int) -> None:
         """A request's sequences must fit what the server would ever hold at once (the KV slots and the
@@ -297,7 +298,7 @@ class Server:
         already started are aborted and the whole request gets the refusal.
         """
         if body.truncate_prompt_tokens is not None:
-            prompts = [self._truncated(ids, body.truncate_prompt_tokens) for ids in prompts]
+            prompts = [self._truncated(ids, body.truncate_prompt_tokens, body.truncation_side) for ids in prompts]
         params = [self.sampling_params(body, len(ids), max_tokens) for ids in prompts]
         self._check_sequences(len(prompts) * body.n)
         # n sequences of each prompt (vLLM's parallel sampling), prompt-major: choice index = prompt

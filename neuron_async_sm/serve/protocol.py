@@ -71,6 +71,7 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len - 1)
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first N instead
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:<id>" (vLLM's)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and its top N
     bad_words: list[Text] = Field(default_factory=list)  # never sampled; the engine tokenizes them (vLLM's rule)
@@ -181,7 +182,7 @@ NOT_SUPPORTED = frozenset(
         "logprob_token_ids", "media_io_kwargs", "mm_payload", "mm_processor_kwargs", "prompt_embeds",
         "repetition_detection", "return_mm_kwargs", "return_prompt_text", "return_token_offsets",
         "return_weight_versions", "routed_experts_prompt_start", "session_id",
-        "stream_interval", "thinking_token_budget", "truncation_side", "vllm_xargs",
+        "stream_interval", "thinking_token_budget", "vllm_xargs",
         "watermarking",
     }
 )  # fmt: skip
