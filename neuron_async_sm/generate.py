@@ -55,6 +55,8 @@ REQUEST_FIELDS = {
     "min_p",
     "min_tokens",
     "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
     "structured_outputs",
     "arrival_step",
 }
@@ -67,7 +69,8 @@ Input, one JSON object per line (blank lines skipped):
    "temperature"?: float, "top_k"?: int, "top_p"?: float, "seed"?: int,
    "stop_token_ids"?: [int], "ignore_eos"?: bool, "presence_penalty"?: float,
    "frequency_penalty"?: float, "repetition_penalty"?: float, "min_p"?: float, "min_tokens"?: int,
-   "logit_bias"?: {"token id": float}, "arrival_step"?: int,
+   "logit_bias"?: {"token id": float}, "allowed_token_ids"?: [int], "bad_words"?: [str],
+   "arrival_step"?: int,
    "structured_outputs"?: {"json": schema | true, "regex": str, "choice": [str], "grammar": str}}
   ("prompt" text needs a tokenizer.json in the model directory; a line without request_id is line-N)
 Output, one line per input line, in input order (OUT.partial holds them in completion order while
@@ -132,6 +135,7 @@ def parse_request_line(line: str, index: int, tokenizer: object | None) -> Promp
     params_fields = (
         *("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos"),
         *("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias"),
+        *("allowed_token_ids", "bad_words"),  # bad_words: tokenized by the engine (vLLM's rule)
         "structured_outputs",  # one of json, regex, choice, grammar (structured_output.py)
     )
     fields = {k: obj[k] for k in params_fields if k in obj}

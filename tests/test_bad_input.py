@@ -102,17 +102,21 @@ BAD_LINES = [
     ('{"prompt_token_ids": [1, 2], "max_tokens": 4, "request_id": 7}', "request_id"),
     ('{"prompt_token_ids": [1, 2], "max_tokens": 4, "logit_bias": {"x": 1}}', "logit_bias"),
     ('{"prompt_token_ids": [1, 2], "max_tokens": 4, "min_tokens": 5}', "min_tokens"),
+    ('{"prompt_token_ids": [1, 2], "max_tokens": 4, "allowed_token_ids": []}', "allowed_token_ids"),
+    ('{"prompt_token_ids": [1, 2], "max_tokens": 4, "bad_words": "no"}', "bad_words"),
 ]
 
 
 def test_a_line_with_logits_processing_fields_parses():
     line = (
         '{"prompt_token_ids": [1, 2], "max_tokens": 4, "presence_penalty": 0.5, "frequency_penalty": -1,'
-        ' "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 2, "logit_bias": {"7": -100, "3": 2.5}}'
+        ' "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 2, "logit_bias": {"7": -100, "3": 2.5},'
+        ' "allowed_token_ids": [3, 7, 9], "bad_words": ["no", "never"]}'
     )
     params = parse_request_line(line, 0, tokenizer=None).sampling_params
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -1, 1.2)
     assert (params.min_p, params.min_tokens, params.logit_bias) == (0.1, 2, ((3, 2.5), (7, -100.0)))
+    assert (params.allowed_token_ids, params.bad_words) == ((3, 7, 9), ("no", "never"))
 
 
 @pytest.mark.parametrize(("line", "field"), BAD_LINES, ids=[f"{f}-{i}" for i, (_, f) in enumerate(BAD_LINES)])
