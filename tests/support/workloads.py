@@ -29,7 +29,8 @@ class RunResult:
 def random_workload(
     rng: random.Random, tag: str, vocab: int = 1024, max_prompt: int = 60, *, processing: bool = False
 ) -> list[WorkItem]:
-    """Random requests; `processing`: most of them with penalties, logit_bias, min_tokens or min_p too."""
+    """Random requests; `processing`: most of them with penalties, logit_bias, min_tokens, min_p,
+    allowed_token_ids or bad words too."""
     items = []
     for i in range(rng.randint(1, 10)):
         temperature = rng.choice([0.0, 0.0, 0.7, 1.3])
@@ -59,7 +60,20 @@ def _with_processing(rng: random.Random, params: SamplingParams, vocab: int) -> 
         min_p=rng.choice([0.0, 0.0, 0.1]),
         min_tokens=rng.choice([0, 0, min(params.max_tokens, rng.randint(1, 10))]),
         logit_bias={rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(rng.choice([0, 0, 3, 40]))},
+        **_token_lists(random.Random(rng.getrandbits(32)), vocab),
     )
+
+
+def _token_lists(rng: random.Random, vocab: int) -> dict:
+    """allowed_token_ids (a random half of the vocabulary) and bad words (1-4 sequences of 1-3 random
+    ids) for some requests."""
+    fields: dict = {}
+    if rng.random() < 0.15:
+        fields["allowed_token_ids"] = tuple(rng.sample(range(vocab), vocab // 2))
+    if rng.random() < 0.3:
+        words = [tuple(rng.randrange(vocab) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 4))]
+        fields["bad_words_token_ids"] = tuple(words)
+    return fields
 
 
 def drive(llm: LLM, items: list[WorkItem], *, aborts: bool = True, max_turns: int = 10_000) -> RunResult:
