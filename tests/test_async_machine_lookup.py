@@ -11,11 +11,12 @@ from neuron_async_sm.worker import async_machine as sm
 
 def _observations() -> list[sm.StepObservation]:
     """Every combination of the predicates' inputs: set, order, all-decode, shape, dtype, relay,
-    (launch) which rows sample under a grammar, and a host-side drafter."""
+    (launch) which rows sample under a grammar, a host-side drafter, and (without those three, as the
+    engine runs it) a drafted pending future with steps whose rows all verify drafts or not."""
     prev = ("a", "b")
     currents = [("a", "b"), ("b", "a"), ("a",), ("a", "b", "c"), ("b", "c")]
     out = []
-    for pending, curr, decode, shape, dtype, relay, masked, host in itertools.product(
+    for pending, curr, decode, shape, dtype, relay, masked, host, (drafted, spec) in itertools.product(
         (True, False),
         currents,
         (True, False),
@@ -24,7 +25,10 @@ def _observations() -> list[sm.StepObservation]:
         (False, True),
         ((), ("a",), ("c",)),
         (False, True),
+        ((False, False), (True, False), (True, True)),
     ):
+        if drafted and (relay or masked or host):
+            continue
         before = prev if pending else ()
         out.append(
             sm.StepObservation(
@@ -40,6 +44,8 @@ def _observations() -> list[sm.StepObservation]:
                 frozenset(masked),
                 frozenset(before),
                 host_drafter=host,
+                pending_drafted=drafted and pending,
+                all_spec=spec and not decode,
             )
         )
     return out
