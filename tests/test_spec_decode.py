@@ -13,7 +13,7 @@ import logging
 
 import pytest
 import torch
-from support.workloads import assert_matches, drive, drive_batches, greedy, workloads
+from support.workloads import SPEC_ENGINE, assert_matches, drive, drive_batches, greedy, workloads
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.bench.checkpoint import write_checkpoint
@@ -26,14 +26,7 @@ from neuron_async_sm.scheduler import Scheduler
 from neuron_async_sm.worker import async_machine as sm
 from neuron_async_sm.worker.drafts import propose_ngram
 
-ENGINE = dict(
-    dtype="float64",  # float32 matmuls may round differently per row count; float64 makes ties negligible
-    max_num_seqs=4,
-    max_model_len=128,
-    max_num_batched_tokens=32,  # small budget: prompts are chunked, spec rows compete for it
-    prefill_buckets=(8, 16, 32),
-    decode_buckets=(1, 2, 4),
-)
+ENGINE = SPEC_ENGINE
 
 
 def ngram(k: int) -> dict:

@@ -14,7 +14,16 @@ import random
 
 import pytest
 import torch
-from support.workloads import WorkItem, assert_matches, drive, drive_batches, greedy, random_workload, workloads
+from support.workloads import (
+    SPEC_ENGINE,
+    WorkItem,
+    assert_matches,
+    drive,
+    drive_batches,
+    greedy,
+    random_workload,
+    workloads,
+)
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.bench.checkpoint import MICRO_LLAMA_CONFIG, write_checkpoint, write_noisy_copy
@@ -22,14 +31,7 @@ from neuron_async_sm.config import ConfigError, EngineConfig
 from neuron_async_sm.model.spec_decode import rejection_sample
 from neuron_async_sm.worker import async_machine as sm
 
-ENGINE = dict(
-    dtype="float64",  # float32 matmuls may round differently per row count; float64 makes ties negligible
-    max_num_seqs=4,
-    max_model_len=128,
-    max_num_batched_tokens=32,  # small budget: prompts are chunked, spec rows compete for it
-    prefill_buckets=(8, 16, 32),
-    decode_buckets=(1, 2, 4),
-)
+ENGINE = SPEC_ENGINE
 HIGH_NOISE = 0.01  # the high-acceptance draft's noise, relative to each weight's standard deviation
 
 

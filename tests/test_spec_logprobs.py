@@ -15,21 +15,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from support.workloads import SPEC_ENGINE
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.bench.checkpoint import write_checkpoint, write_noisy_copy
 from neuron_async_sm.engine.llm import PromptRequest
 from neuron_async_sm.outputs import RequestOutput, TokenLogprobs
 
-ENGINE = dict(
-    dtype="float64",  # float32 matmuls may round differently per row count; float64 makes ties negligible
-    max_num_seqs=4,
-    max_model_len=128,
-    max_num_batched_tokens=32,  # small budget: prompts are chunked, spec rows compete for it
-    prefill_buckets=(8, 16, 32),
-    decode_buckets=(1, 2, 4),
-    device="cpu-inprocess",
-)
+ENGINE = {**SPEC_ENGINE, "device": "cpu-inprocess"}
 # Logprobs are float32 of float64 logits: a verified position's forward and a one-token step's round
 # alike up to the float64 noise.
 TOL = 1e-5

@@ -9,6 +9,18 @@ from dataclasses import dataclass, field
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.engine.llm import PromptRequest, Turn
 
+# The speculative-decoding tests' engine: float64 (float32 matmuls may round differently per row
+# count; float64 makes ties negligible), a small token budget so that prompts are chunked and spec
+# rows compete for it.
+SPEC_ENGINE = dict(
+    dtype="float64",
+    max_num_seqs=4,
+    max_model_len=128,
+    max_num_batched_tokens=32,
+    prefill_buckets=(8, 16, 32),
+    decode_buckets=(1, 2, 4),
+)
+
 
 @dataclass
 class WorkItem:
