@@ -22,7 +22,7 @@ import pytest
 from spec_trace_check import check_spec_trace, spec_records
 from support.mutants import mutant_env, mutant_package
 from support.processes import config_flags, generate_argv
-from trace_check import check_trace, read_trace
+from trace_check import check_trace, read_trace, traced_machine_run
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.bench.checkpoint import write_checkpoint, write_noisy_copy
@@ -224,29 +224,8 @@ def test_traces_of_hypothesis_draft_model_examples_are_behaviours_of_async_sched
     rows keep to the device's SpecSteady and SpecExit while the batch keeps its rows), traced for a
     few examples: admissions, aborts and finishes around drafted futures. Each trace is accepted."""
     import test_stateful_engine as stateful
-    from hypothesis import HealthCheck, settings
-    from hypothesis.stateful import run_state_machine_as_test
 
-    for device in list(stateful._ENGINES):  # an engine of tests/ (same session) writes no trace
-        stateful._discard_engine(device)
-    stateful.TRACE_DIR = str(tmp_path)
-    try:
-        run_state_machine_as_test(
-            stateful.EngineWithDraftModel,
-            settings=settings(
-                max_examples=DRAFT_EXAMPLES,
-                stateful_step_count=DRAFT_STEPS,
-                derandomize=True,
-                database=None,
-                deadline=None,
-                suppress_health_check=[HealthCheck.too_slow],
-            ),
-        )
-    finally:
-        stateful.TRACE_DIR = None
-        for device in list(stateful._ENGINES):
-            stateful._discard_engine(device)
-    traces = sorted(tmp_path.glob("*.ndjson"))
+    traces = traced_machine_run(stateful, stateful.EngineWithDraftModel, DRAFT_EXAMPLES, DRAFT_STEPS, tmp_path)
     assert traces, "no engine wrote a trace"
     events = [read_trace(path) for path in traces]
     steps = Counter(e["state"] for trace in events for e in trace if e["event"] == "step")

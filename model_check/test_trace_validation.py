@@ -28,7 +28,15 @@ from support.mutants import (
 from support.processes import config_flags, generate_argv
 from support.workloads import drive, prompt_lines, random_workload
 from tlc import PARALLEL_RUNS
-from trace_check import POISON_TOKEN, TraceVerdict, check_trace, engine_threads, logged_events, read_trace
+from trace_check import (
+    POISON_TOKEN,
+    TraceVerdict,
+    check_trace,
+    engine_threads,
+    logged_events,
+    read_trace,
+    traced_machine_run,
+)
 
 from neuron_async_sm import LLM, SamplingParams
 from neuron_async_sm.worker import async_machine as sm
@@ -361,34 +369,13 @@ def test_traces_of_hypothesis_stateful_examples_are_behaviours_of_the_spec(tlc_a
     parts). The fault rules are off here: a death only starts a new engine and trace, which the
     failing-program test above covers, and an exploding write-back is not something the spec models."""
     import test_stateful_engine as stateful
-    from hypothesis import HealthCheck, settings
-    from hypothesis.stateful import run_state_machine_as_test
 
     class TracedEngine(stateful.EngineOnDeviceProcess):
         FAULT_PERCENT = 0
 
-    for device in list(stateful._ENGINES):  # an engine of tests/ (same session) writes no trace
-        stateful._discard_engine(device)
     examples = stateful.COVERAGE["examples"]
-    stateful.TRACE_DIR = str(tmp_path)
-    try:
-        run_state_machine_as_test(
-            TracedEngine,
-            settings=settings(
-                max_examples=HYPOTHESIS_EXAMPLES,
-                stateful_step_count=HYPOTHESIS_STEPS,
-                derandomize=True,
-                database=None,
-                deadline=None,
-                suppress_health_check=[HealthCheck.too_slow],
-            ),
-        )
-    finally:
-        stateful.TRACE_DIR = None
-        for device in list(stateful._ENGINES):
-            stateful._discard_engine(device)
+    traces = traced_machine_run(stateful, TracedEngine, HYPOTHESIS_EXAMPLES, HYPOTHESIS_STEPS, tmp_path)
     assert stateful.COVERAGE["examples"] - examples >= HYPOTHESIS_EXAMPLES
-    traces = sorted(tmp_path.glob("*.ndjson"))
     assert traces, "no engine wrote a trace"
     with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
         verdicts = list(pool.map(lambda path: check_trace(read_trace(path), timeout_s=600), traces))

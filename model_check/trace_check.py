@@ -580,6 +580,36 @@ def arrive(state: Record, names: list[str], limits: Mapping[str, int]) -> Record
     return state
 
 
+def traced_machine_run(stateful, machine: type, examples: int, steps: int, trace_dir: Path) -> list[Path]:
+    """Run a hypothesis state machine of tests/test_stateful_engine.py (`stateful`, the module) for
+    `examples` derandomized examples of `steps` steps, every engine writing its trace into trace_dir;
+    the traces written, sorted. Engines an earlier test of the session left are discarded first (they
+    write no trace) and this run's after it."""
+    from hypothesis import HealthCheck, settings  # noqa: PLC0415  # hypothesis: only the traced runs
+    from hypothesis.stateful import run_state_machine_as_test  # noqa: PLC0415
+
+    for device in list(stateful._ENGINES):
+        stateful._discard_engine(device)
+    stateful.TRACE_DIR = str(trace_dir)
+    try:
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=examples,
+                stateful_step_count=steps,
+                derandomize=True,
+                database=None,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow],
+            ),
+        )
+    finally:
+        stateful.TRACE_DIR = None
+        for device in list(stateful._ENGINES):
+            stateful._discard_engine(device)
+    return sorted(Path(trace_dir).glob("*.ndjson"))
+
+
 def check_trace(events: list[dict], *, timeout_s: float = 300, part_events: int = PART_EVENTS) -> TraceVerdict:
     """Replay an async engine's trace against the spec with TLC; report how far it got.
 
