@@ -200,7 +200,7 @@ class ModelRunner:
             trace.relay_from = list(fed_rows) if plan.input_source is sm.InputSource.RELAYED_FUTURE else []
             trace.inputs = self._traced_inputs(plan.input_source, model_input, fed_rows)
             if spec is not None:
-                trace.proposed = _proposed_drafts(model_input, self._reads_next_input(plan.input_source))
+                trace.proposed = _proposed_drafts(model_input, on_device)
         num_rows = rows.shape[0] if spec is None else model_input.num_rows  # B (a spec step's shape is rebuilt)
         split, mask = self._launch(scheduled, obs, trace, model_input)
         if spec is not None:  # accepted tokens [B, 1 + k], -1 after each row's run (draft_model: then next_input)
