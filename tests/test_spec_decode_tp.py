@@ -16,7 +16,7 @@ import random
 
 import pytest
 import torch
-from support.workloads import WorkItem, assert_matches, drive, random_workload
+from support.workloads import WorkItem, assert_matches, drive, greedy, random_workload
 from test_spec_decode import ENGINE, PROMPT, deltas_of, ngram, sampled_rows, target  # noqa: F401
 from test_spec_draft_model import close_draft, draft_model  # noqa: F401
 
@@ -79,13 +79,23 @@ def test_tp2_greedy_tokens_with_speculation_equal_tp1_tokens_without(target, chu
 # -- draft_model at TP = 2 ------------------------------------------------------------------------------
 
 
+# Finish and condense (tests/test_async_scenarios.py) with drafts in flight: b ends with its prefill, so
+# the first decode step leaves it out (CompositionBreak); then it leaves the batch, condense() moves d
+# into its row, and the next step has the same set in a new order: ReorderRemap of a drafted future.
+CONDENSE = [
+    WorkItem(name, [5 + i, 17, 3 + i, 99, 42, 8 + i], SamplingParams(max_tokens=1 if name == "b" else 20), 0)
+    for i, name in enumerate("abcd")
+]
+
+
 @pytest.fixture(scope="module")
 def draft_churn(target):  # noqa: F811
     """Greedy churny workloads without logits processing (which the target applies and the draft does
-    not), so that the close draft's drafts are mostly accepted, and their tokens at TP=1 without
-    speculation, sync: the reference."""
+    not), so that the close draft's drafts are mostly accepted, then CONDENSE, and their tokens at
+    TP=1 without speculation, sync: the reference."""
     rng = random.Random(6)  # ten requests, two of them aborted
-    batches = [[longer(item, rng, 12, 32) for item in random_workload(rng, f"d{n}", max_prompt=30)] for n in range(1)]
+    churny = [[longer(item, rng, 12, 32) for item in random_workload(rng, f"d{n}", max_prompt=30)] for n in range(1)]
+    batches = [*churny, greedy(CONDENSE)]
     with LLM(target, async_scheduling=False, **ENGINE) as llm:
         return batches, [drive(llm, items, aborts=False) for items in batches]
 
@@ -102,8 +112,11 @@ def drafting_tp2(target, close_draft):  # noqa: F811
         yield {False: sync_llm, True: async_llm}
 
 
+# k = 1..4 over both modes; k = 3 (async) runs on Ray actors: tests/test_tensor_parallel_ray.py.
 @pytest.mark.parametrize(
-    ("async_scheduling", "k"), [(True, 1), (False, 4), (True, 4)], ids=["async-1", "sync-4", "async-4"]
+    ("async_scheduling", "k"),
+    [(True, 1), (False, 2), (False, 4), (True, 4)],
+    ids=["async-1", "sync-2", "sync-4", "async-4"],
 )
 def test_tp2_greedy_tokens_with_a_draft_model_equal_tp1_tokens_without(
     request,
@@ -113,24 +126,26 @@ def test_tp2_greedy_tokens_with_a_draft_model_equal_tp1_tokens_without(
     async_scheduling,
     k,
 ):
-    """The draft split over both ranks as the target is: the reference's tokens, and the close draft's
-    high acceptance (a rank drafting from its own vocabulary shard proposes drafts the target rejects)."""
+    """The draft split over both ranks as the target is: the reference's tokens."""
     if k == 4:
-        llm = request.getfixturevalue("drafting_tp2")[async_scheduling]
-        steady = spec_steady_steps(llm)
-        check_tp2(llm, draft_churn, accepted=0.8)
-    else:
-        with LLM(
-            target,
-            tensor_parallel_size=2,
-            async_scheduling=async_scheduling,
-            speculative_config=draft_model(close_draft, k),
-            **ENGINE,
-        ) as llm:
-            steady = spec_steady_steps(llm)
-            check_tp2(llm, draft_churn, accepted=0.8)
-    if async_scheduling:  # some steps fed every rank's own next_input, device to device
-        assert spec_steady_steps(llm) > steady, llm.stats()["state_counts"]
+        check_draft_tp2(request.getfixturevalue("drafting_tp2")[async_scheduling], draft_churn)
+        return
+    engine = dict(ENGINE, tensor_parallel_size=2, speculative_config=draft_model(close_draft, k))
+    with LLM(target, async_scheduling=async_scheduling, **engine) as llm:
+        check_draft_tp2(llm, draft_churn)
+
+
+def check_draft_tp2(llm: LLM, draft_churn: tuple) -> None:
+    """check_tp2 at the close draft's high acceptance (a rank drafting from its own vocabulary shard
+    would propose drafts the target rejects). Async, steps fed each rank's own next_input on the
+    device: as it is (SpecSteady), and permuted (CONDENSE's ReorderRemap: the non-output rank's
+    program permutes its rows, so check_tp2 sees no transfer of that rank's)."""
+    before = dict(llm.stats().get("state_counts", {}))
+    check_tp2(llm, draft_churn, accepted=0.8)
+    if llm.stats()["async_scheduling"]:
+        after = llm.stats()["state_counts"]
+        for path in (sm.SPEC_STEADY, sm.REORDER_REMAP):
+            assert after[path] > before.get(path, 0), (path, after)
 
 
 def spec_steady_steps(llm: LLM) -> int:

@@ -140,9 +140,10 @@ class SpecStepProgram:
     them: none for a row without tokens, fewer where they would pass max_model_len).
 
     `drafted_input` (optional, draft_model): the previous call's output `[B, 2W + ...]` (a future, the same
-    rows in the same order). Every real row then computes on its `next_input`: the last accepted token
-    and its first num_drafts drafts (fewer where the drafter proposed fewer), at the device's
-    positions; the host's input_ids and positions of those rows are placeholders.
+    rows in the same order, or in another order given by `drafted_rows` int `[B]`, per row the
+    previous output's row it reads). Every real row then computes on its `next_input`: the last
+    accepted token and its first num_drafts drafts (fewer where the drafter proposed fewer), at the
+    device's positions; the host's input_ids and positions of those rows are placeholders.
 
     With logprobs asked (`sample_logprobs`, `prompt_logprobs` with `prompt_targets`, host inputs as
     the step program takes them) their float32 bits follow those columns: W blocks per row, then L
@@ -170,6 +171,7 @@ class SpecStepProgram:
         slot_ids: torch.Tensor,
         num_drafts: torch.Tensor,
         drafted_input: torch.Tensor | None = None,
+        drafted_rows: torch.Tensor | None = None,
         sample_logprobs: torch.Tensor | None = None,
         prompt_logprobs: torch.Tensor | None = None,
         prompt_targets: torch.Tensor | None = None,
@@ -185,6 +187,8 @@ class SpecStepProgram:
         lens = query_lens.numpy().astype(np.int64)  # [B]
         drafted = num_drafts.numpy().astype(np.int64)  # [B]
         if drafted_input is not None:  # SpecSteady / SpecExit: the previous call's next_input, on the device
+            if drafted_rows is not None:  # ReorderRemap on a non-output rank: the rows permuted here
+                drafted_input = drafted_input.index_select(0, drafted_rows.to(drafted_input.device, torch.int64))
             fed = self._fed(drafted_input, ids, pos, lens, drafted, slot_ids, output_index)
             ids, pos, lens, drafted, output_index = fed
             query_lens = torch.from_numpy(lens.astype(np.int32))

@@ -394,6 +394,13 @@ class ModelRunner:
             rows = torch.tensor(relay, dtype=torch.int32)  # [B]
             return {"relay_tokens": self._relay_tokens(), "relay_rows": rows}, relay
         if self.pending.drafted:  # each rank's own next_input, its rows permuted (the same values on every rank)
+            if not self.is_output_rank:
+                # Hazard: a non-output rank's token on the host. Its program permutes the rows on the device.
+                order = self._remap_order(model_input)
+                return {
+                    "drafted_input": self.pending.future,
+                    "drafted_rows": torch.tensor(order, dtype=torch.int32),
+                }, order
             remapped, order = self._remap_pending(model_input)
             return {"drafted_input": remapped["input_ids"]}, order
         if not self.is_output_rank:
@@ -437,13 +444,19 @@ class ModelRunner:
         Hazard: token ownership after condense(). Without the remap, row i would feed request
         curr[i] the token sampled for prev[i]. The gather forces the future on this thread.
         """
+        order = self._remap_order(model_input)
+        assert self.pending is not None
+        with self.tracer.observer.span("fetch"):
+            return {"input_ids": self.pending.future.index_select(torch.tensor(order, dtype=torch.int64))}, order
+
+    def _remap_order(self, model_input: ModelInput) -> list[int]:
+        """Per row of this step, the pending future's row of its request (padding rows: their own)."""
         assert self.pending is not None
         prev_row = {req_id: i for i, req_id in enumerate(self.pending.snapshot.req_ids)}
         order = list(range(model_input.num_rows))
         for i, req_id in enumerate(model_input.req_ids):
             order[i] = prev_row[req_id]
-        with self.tracer.observer.span("fetch"):
-            return {"input_ids": self.pending.future.index_select(torch.tensor(order, dtype=torch.int64))}, order
+        return order
 
     def _materialize_pending(self) -> None:
         """Break the async flow: bring the pending output to the host on this (main) thread."""
