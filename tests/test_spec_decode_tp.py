@@ -16,7 +16,7 @@ import random
 
 import pytest
 import torch
-from support.workloads import WorkItem, assert_matches, drive, greedy, random_workload
+from support.workloads import RunResult, WorkItem, assert_matches, drive, greedy, random_workload
 from test_spec_decode import ENGINE, PROMPT, deltas_of, ngram, sampled_rows, target  # noqa: F401
 from test_spec_draft_model import close_draft, draft_model  # noqa: F401
 
@@ -30,21 +30,47 @@ from neuron_async_sm.worker.input_batch import POISON_TOKEN, InputBatch
 
 @pytest.fixture(scope="module")
 def churn(target):  # noqa: F811
-    """Greedy churny workloads (arrivals, chunked prompts, stops, aborts; most requests with logits
-    processing) and their tokens at TP=1 without speculation, sync: the reference. Outputs long
+    """A greedy churny workload (arrivals, chunked prompts, stops, aborts; most requests with logits
+    processing) and its tokens at TP=1 without speculation, sync: the reference. Outputs long
     enough that the target's greedy output settles into a cycle, so that most rows verify drafts
     and most drafts are accepted."""
     rng = random.Random(7)
-    batches = [
-        [longer(item, rng) for item in random_workload(rng, f"w{n}", max_prompt=40, processing=True)] for n in range(1)
-    ]
+    items = [longer(item, rng) for item in random_workload(rng, "w0", max_prompt=40, processing=True)]
     with LLM(target, async_scheduling=False, **ENGINE) as llm:
-        return batches, [drive(llm, items, aborts=False) for items in batches]
+        items, want = churned(llm, items)
+        return [items], [want]
 
 
 def longer(item, rng: random.Random, shortest: int = 20, longest: int = 80):
     params = dataclasses.replace(item.params, temperature=0.0, max_tokens=rng.randint(shortest, longest))
     return dataclasses.replace(item, params=params)
+
+
+def churned(llm: LLM, items: list[WorkItem]) -> tuple[list[WorkItem], RunResult]:
+    """`items` with a stop and an abort placed on purpose, and their tokens on `llm` (the reference).
+
+    Random stop tokens rarely meet the target's cycling output, and random aborts land before a
+    request's first token or after its end once speculation takes fewer steps: so the longest output
+    stops at its first new token from output 4 on (past min_tokens), and the next longest is aborted
+    six turns after it arrives (its output 60 long), mid-decode in every mode and k here.
+    """
+    want = drive(llm, items, aborts=False)
+    longest = sorted(
+        (w for w in items if want.finish[w.request_id] == "length"), key=lambda w: -len(want.tokens[w.request_id])
+    )
+    stopped, aborted = longest[0], longest[1]
+    out = want.tokens[stopped.request_id]
+    at = next(j for j in range(max(4, stopped.params.min_tokens), len(out)) if out[j] not in out[:j])
+    stop = dataclasses.replace(stopped.params, stop_token_ids=(*stopped.params.stop_token_ids, out[at]))
+    long = dataclasses.replace(aborted.params, max_tokens=max(aborted.params.max_tokens, 60))
+    changed = {
+        stopped.request_id: dataclasses.replace(stopped, params=stop),
+        aborted.request_id: dataclasses.replace(aborted, params=long, abort_turn=aborted.arrival_turn + 6),
+    }
+    items = [changed.get(w.request_id, w) for w in items]
+    want = drive(llm, items, aborts=False)
+    assert (want.finish[stopped.request_id], len(want.tokens[stopped.request_id])) == ("stop", at + 1)
+    return items, want
 
 
 def check_tp2(llm: LLM, churn: tuple, accepted: float = 0.5) -> None:
@@ -53,9 +79,12 @@ def check_tp2(llm: LLM, churn: tuple, accepted: float = 0.5) -> None:
     batches, expected = churn
     assert len(llm.engine.runtimes) == 2
     before = llm.stats()["spec_decode"]  # an engine shared between tests counts theirs too
+    ends = set()
     for items, want in zip(batches, expected, strict=True):
         got = drive(llm, items, aborts=True)
         assert_matches(got, want, items)
+        ends |= {got.finish[r] for r, tokens in got.tokens.items() if len(tokens) > 1}
+    assert ends >= {"stop", "abort"}, f"no stop or no abort after a decode step: {ends}; the workload lost its churn"
     spec = {name: count - before[name] for name, count in llm.stats()["spec_decode"].items()}
     # Most rows verified drafts and most drafts were accepted: runs, not only rejections.
     assert spec["num_spec_rows"] > 10 and spec["num_accepted_tokens"] > accepted * spec["num_draft_tokens"], spec
@@ -69,11 +98,21 @@ def check_tp2(llm: LLM, churn: tuple, accepted: float = 0.5) -> None:
     [(True, 1), (False, 2), (True, 3), (False, 4)],  # every k and both modes, in four engines of two ranks
     ids=["async-1", "sync-2", "async-3", "sync-4"],
 )
-def test_tp2_greedy_tokens_with_speculation_equal_tp1_tokens_without(target, churn, k, async_scheduling):  # noqa: F811
+def test_tp2_greedy_tokens_with_speculation_equal_tp1_tokens_without(request, target, churn, k, async_scheduling):  # noqa: F811
+    if (async_scheduling, k) == (True, 3):
+        check_tp2(request.getfixturevalue("ngram_tp2"), churn)
+        return
     with LLM(
         target, tensor_parallel_size=2, async_scheduling=async_scheduling, speculative_config=ngram(k), **ENGINE
     ) as llm:
         check_tp2(llm, churn)
+
+
+@pytest.fixture(scope="module")
+def ngram_tp2(target):  # noqa: F811
+    """An engine of two ranks, async, n-gram k = 3, shared by the test above and the solo test."""
+    with LLM(target, tensor_parallel_size=2, async_scheduling=True, speculative_config=ngram(3), **ENGINE) as llm:
+        yield llm
 
 
 # -- draft_model at TP = 2 ------------------------------------------------------------------------------
@@ -93,11 +132,11 @@ def draft_churn(target):  # noqa: F811
     """Greedy churny workloads without logits processing (which the target applies and the draft does
     not), so that the close draft's drafts are mostly accepted, then CONDENSE, and their tokens at
     TP=1 without speculation, sync: the reference."""
-    rng = random.Random(6)  # ten requests, two of them aborted
-    churny = [[longer(item, rng, 12, 32) for item in random_workload(rng, f"d{n}", max_prompt=30)] for n in range(1)]
-    batches = [*churny, greedy(CONDENSE)]
+    rng = random.Random(6)  # ten requests
+    items = [longer(item, rng, 12, 32) for item in random_workload(rng, "d0", max_prompt=30)]
     with LLM(target, async_scheduling=False, **ENGINE) as llm:
-        return batches, [drive(llm, items, aborts=False) for items in batches]
+        items, want = churned(llm, items)
+        return [items, greedy(CONDENSE)], [want, drive(llm, greedy(CONDENSE), aborts=False)]
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +205,21 @@ def test_tp2_seeded_sampling_with_a_draft_model_gives_the_same_tokens_async_and_
     assert 0 < accepted < drafted, (before, after)
     # Steps fed from each rank's own next_input: a rank whose drafts or q differed would diverge there.
     assert spec_steady_steps(drafting_tp2[True]) > steady
+
+
+# Each method on its shared async engine (n-gram k = 3, draft_model k = 4) with its churn.
+SOLO = {"ngram": ("ngram_tp2", "churn"), "draft_model": ("drafting_tp2", "draft_churn")}
+
+
+@pytest.mark.parametrize("method", SOLO)
+def test_tp2_one_request_alone_gives_the_tokens_it_gives_batched(request, method):
+    """Four of the churn's requests, each alone, give the reference's tokens (batched, TP=1, no
+    speculation), as they do in the churn at TP=2: rows and rank shards of other sizes change nothing."""
+    engine, (batches, expected) = (request.getfixturevalue(name) for name in SOLO[method])
+    llm = engine[True] if method == "draft_model" else engine
+    for item in batches[0][:4]:  # the others would add seconds, not cases
+        solo = drive(llm, [dataclasses.replace(item, arrival_turn=0, abort_turn=None)], aborts=False)
+        assert solo.tokens[item.request_id] == expected[0].tokens[item.request_id], item.request_id
 
 
 def test_a_draft_that_does_not_split_over_the_ranks_is_refused_naming_speculative_config_model(target, tmp_path):  # noqa: F811
