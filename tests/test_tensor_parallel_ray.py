@@ -2,7 +2,9 @@
 Ray actor in a placement group, on a local Ray instance of this machine's CPUs (the `ray` extra).
 
 The same checks as the multiprocessing backend (tests/test_tensor_parallel.py), on real actors; the
-CLI run on Ray is in that file, beside the TP=1 run it compares with.
+CLI run on Ray is in that file, beside the TP=1 run it compares with. Speculation with a draft model
+split over the actors is tests/test_spec_decode_tp.py's check (its k = 3), run here on this module's
+Ray instance rather than starting one there.
 """
 
 from __future__ import annotations
