@@ -16,7 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 from support.processes import config_flags
-from support.serve_harness import CHAT_TEMPLATE, ServerProcess, offline_fixture, serve_fixtures, write_text_model
+from support.serve_harness import (
+    CHAT_TEMPLATE,
+    ServerProcess,
+    in_context,
+    offline_fixture,
+    serve_fixtures,
+    write_text_model,
+)
 
 from neuron_async_sm import LLM, SamplingParams
 
@@ -57,7 +64,7 @@ def test_completion_equals_the_offline_llm_streamed_and_not(server, offline, tok
         out = client.completions.create(model=server.model, prompt=prompt, max_tokens=12, extra_body=extra, **params)
         [choice] = out.choices
         assert choice.token_ids == expected, params
-        assert choice.text == tokenizer.decode(expected) and choice.finish_reason == "length"
+        assert choice.text == in_context(tokenizer, prompt_ids, expected) and choice.finish_reason == "length"
         assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt_ids), 12)
 
         chunks = list(
@@ -73,7 +80,9 @@ def test_completion_equals_the_offline_llm_streamed_and_not(server, offline, tok
         )
         streamed = [t for c in chunks for choice in c.choices for t in choice.token_ids]
         assert streamed == expected
-        assert "".join(choice.text for c in chunks for choice in c.choices) == tokenizer.decode(expected)
+        assert "".join(choice.text for c in chunks for choice in c.choices) == in_context(
+            tokenizer, prompt_ids, expected
+        )
         assert [choice.finish_reason for c in chunks for choice in c.choices][-1] == "length"
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
@@ -92,7 +101,7 @@ def test_chat_renders_the_template_and_equals_the_offline_llm(server, offline, t
         model=server.model, messages=messages, max_tokens=10, extra_body={"ignore_eos": True}, **SAMPLED
     )
     assert out.choices[0].message.role == "assistant"
-    assert out.choices[0].message.content == tokenizer.decode(expected)
+    assert out.choices[0].message.content == in_context(tokenizer, prompt_ids, expected)
     assert out.usage.prompt_tokens == len(prompt_ids) and out.usage.completion_tokens == 10
 
     chunks = list(
@@ -106,7 +115,7 @@ def test_chat_renders_the_template_and_equals_the_offline_llm(server, offline, t
         )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == tokenizer.decode(expected)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == in_context(tokenizer, prompt_ids, expected)
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
@@ -128,7 +137,7 @@ def test_stop_strings_and_stop_token_ids_end_the_request(server, offline, tokeni
         out = client.completions.create(stop=[stop_word], **kwargs)
         chunks = list(out) if stream else [out]
         text = "".join(choice.text for c in chunks for choice in c.choices)
-        assert text == tokenizer.decode(full[:cut]) + (" " if cut else "")
+        assert text == in_context(tokenizer, prompt_ids, full[:cut]) + " "  # the space before the stop word
         assert chunks[-1].choices[0].finish_reason == "stop"
     out = client.completions.create(
         model=server.model,
@@ -352,7 +361,7 @@ def test_lm_eval_local_completions_bodies(server, offline, tokenizer):
     [choice] = out["choices"]
     cut = expected.index(expected[3])
     assert choice["index"] == 0 and choice["finish_reason"] == "stop", out
-    assert choice["text"] == tokenizer.decode(expected[:cut]) + (" " if cut else "")
+    assert choice["text"] == in_context(tokenizer, ids, expected[:cut]) + " "  # the space before the stop word
 
     info = server.get_json("/tokenizer_info")
     assert info["eos_token"] == "</s>" and info["bos_token"] == "<s>" and "{{ bos_token }}" in info["chat_template"]

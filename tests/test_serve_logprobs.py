@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 from support.reference import hf_logprobs
-from support.serve_harness import ServerProcess, serve_fixtures
+from support.serve_harness import ServerProcess, in_context, serve_fixtures
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,7 +89,10 @@ def test_lm_eval_loglikelihood_request_equals_transformers(server, hf, tokenizer
             assert abs(top[tokenizer.id_to_token(best)] - ref[i - 1, best].item()) <= TOL
         offsets = logprobs["text_offset"]
         assert offsets == [sum(len(t) for t in logprobs["tokens"][:i]) for i in range(len(offsets))]
-        assert choice["text"] == tokenizer.decode(tokens, skip_special_tokens=True) + tokenizer.decode([generated])
+        # vLLM's echo: the prompt decoded with its special tokens, then the output decoded after it
+        assert choice["text"] == tokenizer.decode(tokens, skip_special_tokens=False) + in_context(
+            tokenizer, tokens, [generated]
+        )
 
         total, is_greedy = lm_eval_parse(choice, len(CONTEXT))
         rows = range(len(CONTEXT) - 1, len(tokens) - 1)

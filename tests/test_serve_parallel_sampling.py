@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import openai
 import pytest
-from support.serve_harness import ServerProcess, offline_fixture, serve_fixtures
+from support.serve_harness import ServerProcess, in_context, offline_fixture, serve_fixtures
 from test_serve import ENGINE, FLAGS
 
 from neuron_async_sm import LLM, SamplingParams
@@ -63,7 +63,7 @@ def test_completions_n_choices_equal_the_offline_children_streamed_and_not(serve
     assert status == 200, out
     assert [c["index"] for c in out["choices"]] == [0, 1, 2]
     assert [c["token_ids"] for c in out["choices"]] == expected
-    assert [c["text"] for c in out["choices"]] == [tokenizer.decode(e) for e in expected]
+    assert [c["text"] for c in out["choices"]] == [in_context(tokenizer, ids, e) for e in expected]
     # A prompt's tokens count once, as vLLM counts them; every child's output counts.
     assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 24, "total_tokens": len(ids) + 24}
 
@@ -88,7 +88,7 @@ def test_chat_n_choices_equal_the_offline_children_streamed_and_not(server, offl
     status, out = server.post("/v1/chat/completions", body(server, messages=messages, n=2))
     assert status == 200, out
     assert [(c["index"], c["token_ids"]) for c in out["choices"]] == list(enumerate(expected))
-    assert [c["message"]["content"] for c in out["choices"]] == [tokenizer.decode(e) for e in expected]
+    assert [c["message"]["content"] for c in out["choices"]] == [in_context(tokenizer, ids, e) for e in expected]
 
     tokens, reasons, _ = streamed(server, "/v1/chat/completions", body(server, messages=messages, n=2))
     assert [tokens[i] for i in range(2)] == expected and reasons == {0: "length", 1: "length"}
@@ -108,7 +108,7 @@ def test_a_stop_string_ends_one_child_and_the_others_run_on(server, offline, tok
         if at is None:
             assert (choice["token_ids"], choice["finish_reason"]) == (tokens, "length")
         else:
-            text = tokenizer.decode(tokens[:at]) + (" " if at else "")
+            text = in_context(tokenizer, ids, tokens[:at]) + " "  # the space before the stop word
             assert choice["finish_reason"] == "stop" and choice["text"] == text, (choice, tokens)
 
 

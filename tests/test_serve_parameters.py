@@ -57,13 +57,20 @@ def _seed(call: Call, greedy: dict) -> None:
 def _stop(call: Call, greedy: dict) -> None:
     second = text(greedy).split()[1]
     answer = call(stop=[second])
-    assert answer["choices"][0]["finish_reason"] == "stop" and text(answer) == text(greedy).split()[0] + " "
+    assert answer["choices"][0]["finish_reason"] == "stop" and text(answer) == text(greedy).split(second)[0]
 
 
 def _include_stop(call: Call, greedy: dict) -> None:
     second = text(greedy).split()[1]
     answer = call(stop=[second], include_stop_str_in_output=True)
-    assert text(answer) == " ".join(text(greedy).split()[:2])
+    assert text(answer) == text(greedy).split(second)[0] + second
+
+
+def _spaces_between_special_tokens(call: Call, greedy: dict) -> None:
+    """Special tokens in a row (the eos, forced), kept in the text: spaced, or joined when off (vLLM's)."""
+    forced = dict(logit_bias={str(EOS): 100.0}, ignore_eos=True, skip_special_tokens=False)
+    assert text(call(**forced)) == f" w{EOS}" * 4
+    assert text(call(**forced, spaces_between_special_tokens=False)) == f" w{EOS}" + f"w{EOS}" * 3
 
 
 def _stop_token_ids(call: Call, greedy: dict) -> None:
@@ -284,7 +291,7 @@ PARAMETERS: dict[str, Param] = {
     "use_beam_search": Param(REFUSED, True),
     "length_penalty": Param(REFUSED, 0.5),
     "priority": Param(REFUSED, 1),
-    "spaces_between_special_tokens": Param(REFUSED, False),
+    "spaces_between_special_tokens": Param(HONOURED, check=_spaces_between_special_tokens),
     "min_p": Param(HONOURED, check=lambda c, g: tokens(c(temperature=2.0, seed=3, min_p=1.0)) == tokens(g) or _fail()),
     "min_tokens": Param(HONOURED, check=_min_tokens),
     "repetition_penalty": Param(HONOURED, check=lambda call, greedy: _penalty(call, repetition_penalty=2.0)),

@@ -33,6 +33,7 @@ from neuron_async_sm.engine.core import EngineDeadError
 from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
 from neuron_async_sm.serve import protocol as p
 from neuron_async_sm.serve.body_limit import BodyLimit
+from neuron_async_sm.serve.detokenizer import IncrementalText
 from neuron_async_sm.serve.errors import ApiError, invalid
 from neuron_async_sm.serve.generation import (
     ChatFormat,
@@ -45,7 +46,7 @@ from neuron_async_sm.serve.generation import (
 )
 from neuron_async_sm.serve.metrics import ServerMetrics
 from neuron_async_sm.serve.structured_protocol import structured_outputs_of
-from neuron_async_sm.serve.tokenizer import ChatTemplateError, IncrementalText, ServedTokenizer
+from neuron_async_sm.serve.tokenizer import ChatTemplateError, ServedTokenizer
 from neuron_async_sm.values import is_int
 
 logger = logging.getLogger("uvicorn.error")  # uvicorn's own: shown beside its "Shutting down" at --log-level
@@ -179,7 +180,8 @@ class Server:
             return prompt
         if self.tokenizer is None:
             return ""
-        return await asyncio.to_thread(self.tokenizer.decode, ids)
+        # vLLM's renderer decodes a token-id prompt with its special tokens ("<s>") kept.
+        return await asyncio.to_thread(self.tokenizer.decode, ids, skip_special_tokens=False)
 
     def sampling_params(
         self, body: p.CompletionRequest | p.ChatCompletionRequest, prompt_len: int, max_tokens: int | None
@@ -312,7 +314,7 @@ class Server:
             for index, (ids, sampling) in enumerate(zip(prompts, params, strict=True)):
                 engine_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
                 stream = await self._start(ids, sampling, engine_id)
-                text = IncrementalText(self.tokenizer, body.stop_strings, **body.text_options)
+                text = IncrementalText(self.tokenizer, body.stop_strings, prompt_ids=ids, **body.text_options)
                 choice = Choice(index, len(ids), stream, text, prompt_ids=ids)
                 choice.prompt_text = prompt_texts[index // body.n] if prompt_texts is not None else ""
                 choices.append(choice)

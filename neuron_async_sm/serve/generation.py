@@ -20,9 +20,10 @@ from pydantic import BaseModel
 from neuron_async_sm.engine.async_llm import AsyncLLM, RequestStream
 from neuron_async_sm.outputs import TokenLogprobs
 from neuron_async_sm.serve import protocol as p
+from neuron_async_sm.serve.detokenizer import IncrementalText
 from neuron_async_sm.serve.errors import GenerationEnded
-from neuron_async_sm.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
-from neuron_async_sm.serve.tokenizer import IncrementalText, ServedTokenizer
+from neuron_async_sm.serve.logprobs import Scored, chat_logprobs, completion_logprobs, prompt_logprobs
+from neuron_async_sm.serve.tokenizer import ServedTokenizer
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,11 @@ class Choice:
 
     def usage(self) -> p.Usage:
         return p.usage(self.prompt_len, len(self.token_ids))
+
+    def before(self, piece: Piece) -> list[int]:
+        """The last tokens before `piece`'s (4: enough to complete a character split over tokens)."""
+        end = len(self.token_ids) - len(piece.token_ids)
+        return self.token_ids[max(0, end - 4) : end]
 
 
 class Generation:
@@ -112,19 +118,23 @@ class Generation:
             reason = delta.finish_reason
             if reason in ("abort", "error"):
                 raise GenerationEnded(reason, delta.error)
-            text = choice.text.push(delta.new_token_ids, final=reason is not None)
-            choice.token_ids.extend(delta.new_token_ids)
+            text = choice.text.push(delta.new_token_ids, reason)
+            # A stop string drops the tokens after the one that completed it (vLLM's), their logprobs too.
+            kept = len(choice.text.token_ids) - len(choice.token_ids)
+            new_ids = delta.new_token_ids[:kept]
+            logprobs = None if delta.logprobs is None else delta.logprobs[:kept]
+            choice.token_ids.extend(new_ids)
             if delta.prompt_logprobs is not None:
                 choice.prompt_logprobs = delta.prompt_logprobs
-            if delta.logprobs is not None:
-                choice.logprobs.extend(delta.logprobs)
+            if logprobs is not None:
+                choice.logprobs.extend(logprobs)
             if choice.text.stopped:
                 self.engine.abort(choice.stream.request_id, finish_reason="stop")  # the engine would go on
                 choice.finish_reason = "stop"
-                yield Piece(text, delta.new_token_ids, "stop", delta.logprobs)
+                yield Piece(text, new_ids, "stop", logprobs)
                 return
             choice.finish_reason = reason
-            yield Piece(text, delta.new_token_ids, reason, delta.logprobs)
+            yield Piece(text, new_ids, reason, logprobs)
 
 
 class Format(Protocol):
@@ -159,11 +169,12 @@ class CompletionFormat(_Answer):
         return None
 
     def chunk(self, choice: Choice, piece: Piece, usage: p.Usage | None) -> p.CompletionResponse:
-        text, ids, positions = piece.text, piece.token_ids, piece.logprobs
+        positions = piece.logprobs or [None] * len(piece.token_ids)
+        text, parts = piece.text, [Scored(piece.token_ids, positions, choice.before(piece))]
         if self.echo and not choice.echoed:  # the first chunk of an echoed choice: the prompt first
             choice.echoed = True
-            text, ids, positions = self._echoed(choice, text, ids, positions)
-        logprobs = self._logprobs(ids, positions, choice.text_offset)
+            text, parts = choice.prompt_text + text, [self._prompt(choice), *parts]
+        logprobs = self._logprobs(parts, choice.text_offset)
         if logprobs is not None and logprobs.tokens:
             choice.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         out = p.CompletionChoice(
@@ -175,19 +186,16 @@ class CompletionFormat(_Answer):
         )
         return p.CompletionResponse(id=self.request_id, model=self.model, choices=[out], usage=usage)
 
-    def _echoed(
-        self, choice: Choice, text: str, ids: list[int], positions: list[TokenLogprobs] | None
-    ) -> tuple[str, list[int], list[TokenLogprobs | None] | None]:
-        """The prompt's text, ids and logprobs before the output's."""
+    @staticmethod
+    def _prompt(choice: Choice) -> Scored:
+        """The echoed prompt's tokens and logprobs (None where it has none), before the output's."""
         prompt = choice.prompt_logprobs if choice.prompt_logprobs is not None else [None] * len(choice.prompt_ids)
-        return choice.prompt_text + text, choice.prompt_ids + ids, prompt + (positions or [])
+        return Scored(choice.prompt_ids, prompt, [])
 
-    def _logprobs(
-        self, ids: list[int], positions: list[TokenLogprobs | None] | None, offset: int
-    ) -> p.CompletionLogprobs | None:
+    def _logprobs(self, parts: list[Scored], offset: int) -> p.CompletionLogprobs | None:
         if self.logprobs is None:
             return None
-        return completion_logprobs(self.tokenizer, ids, positions or [None] * len(ids), self.logprobs, offset)
+        return completion_logprobs(self.tokenizer, parts, self.logprobs, offset)
 
     def usage_chunk(self, usage: p.Usage) -> p.CompletionResponse:
         return p.CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
@@ -195,15 +203,15 @@ class CompletionFormat(_Answer):
     def response(self, generation: Generation, texts: dict[int, str]) -> p.CompletionResponse:
         choices = []
         for c in generation.choices:
-            text, ids, positions = texts[c.index], c.token_ids, c.logprobs
+            text, parts = texts[c.index], [Scored(c.token_ids, c.logprobs or [None] * len(c.token_ids), [])]
             if self.echo:
-                text, ids, positions = self._echoed(c, text, ids, positions)
+                text, parts = c.prompt_text + text, [self._prompt(c), *parts]
             choices.append(
                 p.CompletionChoice(
                     index=c.index,
                     text=text,
                     finish_reason=c.finish_reason,
-                    logprobs=self._logprobs(ids, positions, 0),
+                    logprobs=self._logprobs(parts, 0),
                     token_ids=self._ids(c.token_ids),
                     prompt_logprobs=None
                     if c.prompt_logprobs is None
@@ -230,15 +238,15 @@ class ChatFormat(_Answer):
             index=choice.index,
             delta=p.ChatDelta(content=text),
             finish_reason=piece.finish_reason,
-            logprobs=self._logprobs(piece.logprobs),
+            logprobs=self._logprobs(piece.logprobs, choice.before(piece)),
             token_ids=self._ids(piece.token_ids),
         )
         return self._chunk(out, usage)
 
-    def _logprobs(self, positions: list[TokenLogprobs] | None) -> p.ChatLogprobs | None:
+    def _logprobs(self, positions: list[TokenLogprobs] | None, before: list[int]) -> p.ChatLogprobs | None:
         if self.logprobs is None:
             return None
-        return chat_logprobs(self.tokenizer, positions or [], self.logprobs)
+        return chat_logprobs(self.tokenizer, positions or [], self.logprobs, before)
 
     def usage_chunk(self, usage: p.Usage) -> p.ChatCompletionChunk:
         return p.ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage)
@@ -249,7 +257,7 @@ class ChatFormat(_Answer):
                 index=c.index,
                 message=p.AssistantMessage(content=(c.prompt_text if self.echo else "") + texts[c.index]),
                 finish_reason=c.finish_reason,
-                logprobs=self._logprobs(c.logprobs),
+                logprobs=self._logprobs(c.logprobs, []),
                 token_ids=self._ids(c.token_ids),
             )
             for c in generation.choices

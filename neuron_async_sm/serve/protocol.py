@@ -77,13 +77,13 @@ class _SamplingFields(_Strict):
     bad_words: list[Text] = Field(default_factory=list)  # never sampled; the engine tokenizes them (vLLM's rule)
     return_token_ids: bool = False  # each choice carries `token_ids` (always, for a model without a tokenizer)
     skip_special_tokens: bool = True  # decoding the output drops special tokens (vLLM's default)
+    spaces_between_special_tokens: bool = True  # False: two added tokens in a row are joined without one
     include_stop_str_in_output: bool = False  # the matched stop string ends the text, rather than being cut
     request_id: Text | None = None  # the response's id is `<prefix>-<request_id>` (vLLM's); else a random one
     # vLLM's, accepted at their neutral value only (see unsupported())
     use_beam_search: bool = False
     length_penalty: float = 1.0
     priority: int = 0
-    spaces_between_special_tokens: bool = True
     # structured output (serve/structured_protocol.py): OpenAI's, and vLLM's body field
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -144,6 +144,7 @@ class _SamplingFields(_Strict):
         """How the output is decoded (IncrementalText's options)."""
         return {
             "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "include_stop": self.include_stop_str_in_output,
             "min_tokens": self.min_tokens,  # a stop string within the first min_tokens tokens does not count
         }
@@ -158,13 +159,12 @@ class _SamplingFields(_Strict):
 Prompt = Text | list[int]  # one prompt: text, or token ids
 
 
-# vLLM's extension fields this server accepts at the neutral value only: beam search, priority
-# scheduling, and the decoder's spacing option (tokenizers' decode always joins as the tokenizer says).
+# vLLM's extension fields this server accepts at the neutral value only: beam search and priority
+# scheduling.
 _NEUTRAL_ONLY: dict[str, object] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
     "priority": 0,
-    "spaces_between_special_tokens": True,
 }
 
 # Fields of OpenAI's and vLLM 0.33's request schemas that this server does not implement and does not

@@ -1,4 +1,8 @@
-"""Text for the server: the model directory's `tokenizer.json`, its chat template, and streaming decode.
+"""Text for the server: the model directory's `tokenizer.json`, its chat template, and one token's text
+(logprobs). An output's text streams from `detokenizer.py`.
+
+The tokenizer is loaded as transformers loads it for vLLM: the special tokens tokenizer_config.json
+names are special, whether or not tokenizer.json lists them.
 
 The chat template is `chat_template.jinja` beside `tokenizer_config.json` (where current
 transformers saves it), else the config's `chat_template` (a string or a list of named templates),
@@ -12,6 +16,7 @@ GIL), after `fits` has refused text too long to fit the context without tokenizi
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +57,7 @@ class ServedTokenizer:
     """Encode prompts, render chats, decode outputs. `None` in place of one means: token ids only."""
 
     def __init__(self, model: str) -> None:
-        from tokenizers import Tokenizer
+        from tokenizers import AddedToken, Tokenizer
 
         path = tokenizer_path(model)
         if path is None:
@@ -60,11 +65,18 @@ class ServedTokenizer:
         self.tokenizer = Tokenizer.from_file(path)
         directory = Path(path).parent
         self.config = _read_config(directory / "tokenizer_config.json")
+        # As transformers loads it (and so vLLM): the config's named special tokens become special added
+        # tokens, which decoding with skip_special_tokens drops even where tokenizer.json does not list them.
+        self.tokenizer.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t in _special_tokens(self.config)]
+        )
         self.chat_template = _chat_template(directory, self.config)
         # No token covers more characters than the vocabulary's longest entry (byte-level and
         # SentencePiece entries spell each byte as one character): `may_fit` bounds a text's tokens
         # from its length alone.
         self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.added_tokens = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
+        self.space_marker = _space_marker(json.loads(self.tokenizer.to_str()).get("pre_tokenizer"))
 
     @classmethod
     def load(cls, model: str) -> ServedTokenizer | None:
@@ -84,6 +96,37 @@ class ServedTokenizer:
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int, context: list[int]) -> str:
+        """One token's text in logprobs, as vLLM's engine writes it (detokenizer_utils'
+        convert_ids_list_to_tokens, LogprobsProcessor._verify_tokens): `decode([id])` with special
+        tokens kept; a Metaspace tokenizer's leading "▁"s, which decode strips, as spaces; a token
+        ending inside a multi-byte character (U+FFFD) completed from `context`, the sampled tokens
+        before it (the last 4 at most), or "" when they do not complete it."""
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if self.space_marker is not None:
+            raw = self.tokenizer.id_to_token(token_id) or ""
+            markers = len(raw) - len(raw.lstrip(self.space_marker))
+            missing = markers - (len(text) - len(text.lstrip(" ")))
+            text = " " * missing + text if missing > 0 else text
+        return self._completed(token_id, context[-4:]) if text.endswith("\ufffd") else text
+
+    def _completed(self, token_id: int, context: list[int]) -> str:
+        """vLLM's _correct_decoded_token: the text `token_id` completes after the fewest of `context`'s
+        last tokens that end its character, without the text of those that did not need it."""
+        decode = self.tokenizer.decode
+        for n in range(1, len(context) + 1):
+            before = context[-n:]
+            whole = decode([*before, token_id], skip_special_tokens=False)
+            if whole.endswith("\ufffd"):
+                continue
+            clean = len(before)  # the context tokens before the unfinished ones (their text stays theirs)
+            while clean > 0 and decode([before[clean - 1]], skip_special_tokens=False).endswith("\ufffd"):
+                clean -= 1
+            prefix = decode(before[:clean], skip_special_tokens=False) if clean else ""
+            # Past their common prefix (all of `prefix`, unless a normalizer changed it).
+            return whole[len(os.path.commonprefix([prefix, whole])) :]
+        return ""
 
     def token_strs(self, token_ids: list[int]) -> list[str]:
         return [self.tokenizer.id_to_token(t) or "" for t in token_ids]
@@ -130,73 +173,27 @@ def _chat_template(directory: Path, config: dict) -> ChatTemplate | None:
     return ChatTemplate(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
 
 
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _special_tokens(config: dict) -> list[str]:
+    """The special tokens a tokenizer_config.json names (transformers' attributes and extra lists)."""
+    named = [config.get(key) for key in SPECIAL_TOKEN_KEYS]
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        extra = config.get(key)
+        named += extra if isinstance(extra, list) else []
+    return [text for text in map(_token_text, named) if text]
+
+
+def _space_marker(pre_tokenizer: dict | None) -> str | None:
+    """The replacement character of a Metaspace pre-tokenizer (alone or in a Sequence), else None."""
+    for pre in [pre_tokenizer or {}, *(pre_tokenizer or {}).get("pretokenizers", [])]:
+        if pre.get("type") == "Metaspace":
+            return pre.get("replacement", "\u2581")
+    return None
+
+
 def _token_text(token: object) -> str:
     if isinstance(token, dict):  # older configs: {"content": "<s>", ...}
         token = token.get("content")
     return token if isinstance(token, str) else ""
-
-
-class IncrementalText:
-    """Decode a request's tokens as they stream, and find its stop strings.
-
-    Text is re-decoded from all tokens each time (a token may complete a multi-byte character or
-    change how the previous one decodes); what was already sent is never sent again. While stop
-    strings are set, the last `len(longest stop) - 1` characters are held back, so a stop string
-    split over two steps is never partly sent; an unfinished character (U+FFFD) is held back too.
-    """
-
-    def __init__(
-        self,
-        tokenizer: ServedTokenizer | None,
-        stop: tuple[str, ...],
-        *,
-        skip_special_tokens: bool = True,
-        include_stop: bool = False,
-        min_tokens: int = 0,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.stop = tuple(s for s in stop if s)
-        self.skip_special_tokens = skip_special_tokens
-        self.include_stop = include_stop  # the text ends with the stop string that matched (vLLM's option)
-        # vLLM's min_tokens: a stop string counts only once it ends past the first min_tokens tokens' text.
-        self.min_tokens = min_tokens
-        self._floor: int | None = 0 if min_tokens == 0 else None  # that text's length, once known
-        self._holdback = max((len(s) for s in self.stop), default=1) - 1
-        self.token_ids: list[int] = []
-        self.text = ""  # decoded so far (cut at a stop string once one matched)
-        self.sent = 0  # characters of `text` already handed out
-        self.stopped = False  # a stop string matched: the request must end now
-
-    def push(self, new_token_ids: list[int], *, final: bool = False) -> str:
-        """Add a step's tokens; return the text that may be sent now (all of it when `final`)."""
-        if self.stopped:
-            return ""
-        self.token_ids.extend(new_token_ids)
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
-        if self._floor is None and len(self.token_ids) > self.min_tokens:
-            head = self.token_ids[: self.min_tokens]
-            self._floor = len(self.tokenizer.decode(head, skip_special_tokens=self.skip_special_tokens))
-        cut = None if self._floor is None else self._first_stop(text, self._floor)
-        if cut is not None:
-            self.stopped, final = True, True
-            text = text[: cut[1] if self.include_stop else cut[0]]
-        self.text = text
-        end = len(text)
-        if not final:
-            end -= self._holdback
-            while end > self.sent and text[end - 1] == "\ufffd":
-                end -= 1
-        if end <= self.sent:
-            return ""
-        piece, self.sent = text[self.sent : end], end
-        return piece
-
-    def _first_stop(self, text: str, floor: int) -> tuple[int, int] | None:
-        """(start, end) of the first stop string in `text`; the longest of those starting there."""
-        # Only where a match can be new: one that ended inside the sent text would have stopped us
-        # (or one that ends within the first min_tokens tokens' text, `floor`, which does not count).
-        start = max(0, self.sent - self._holdback)
-        hits = [(i, i + len(s)) for s in self.stop if (i := text.find(s, max(start, floor - len(s) + 1))) >= 0]
-        return min(hits, key=lambda hit: (hit[0], -hit[1])) if hits else None

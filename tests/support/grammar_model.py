@@ -51,16 +51,15 @@ def _corpus(rng: random.Random) -> list[str]:
     return lines
 
 
-def write_json_model(path: Path, **fields: object) -> Path:
-    """A random VOCAB_SIZE-token Llama checkpoint with a byte-level BPE tokenizer.json trained here."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
-
+def write_llama(path: Path, tokenizer: object, vocab_size: int, **fields: object) -> Path:
+    """A random `vocab_size`-token Llama checkpoint with `tokenizer` (a tokenizers.Tokenizer) and a
+    tokenizer_config.json naming its bos <s> (id 1), eos </s> (id 2) and chat template."""
     path.mkdir(parents=True, exist_ok=True)
     write_checkpoint(
         path,
         {
             "architectures": ["LlamaForCausalLM"],
-            "vocab_size": VOCAB_SIZE,
+            "vocab_size": vocab_size,
             "hidden_size": 32,
             "intermediate_size": 48,
             "num_hidden_layers": 2,
@@ -75,6 +74,16 @@ def write_json_model(path: Path, **fields: object) -> Path:
             **fields,
         },
     )
+    tokenizer.save(str(path / "tokenizer.json"))  # type: ignore[attr-defined]
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def write_json_model(path: Path, **fields: object) -> Path:
+    """A random VOCAB_SIZE-token Llama checkpoint with a byte-level BPE tokenizer.json trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -82,10 +91,7 @@ def write_json_model(path: Path, **fields: object) -> Path:
         vocab_size=VOCAB_SIZE - 8, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tokenizer.train_from_iterator(_corpus(random.Random(0)), trainer)
-    tokenizer.save(str(path / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
+    return write_llama(path, tokenizer, VOCAB_SIZE, **fields)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,14 @@ def write_text_model(path: Path, *, chat_template: bool | str = True, **fields: 
     return path
 
 
+def in_context(tokenizer: object, prompt_ids: list[int], output_ids: list[int]) -> str:
+    """An output's text as vLLM's server writes it (and ours): decoded after its prompt, i.e. the whole
+    sequence decoded at once minus the prompt's text. `tokenizer`: a tokenizers.Tokenizer."""
+    whole, head = tokenizer.decode(prompt_ids + output_ids), tokenizer.decode(prompt_ids)  # type: ignore[attr-defined]
+    assert whole.startswith(head), (whole, head)
+    return whole[len(head) :]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
