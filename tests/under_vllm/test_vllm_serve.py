@@ -152,22 +152,26 @@ def completions(url: str, body: dict) -> dict:
 LOGPROB_TOL = 1e-4
 
 
-def test_echo_with_logprobs_equals_our_serve_token_for_token(server, tmp_path):
+@pytest.fixture(scope="module")
+def ours(server, tmp_path_factory) -> Iterator[ServerProcess]:
+    """Our own `serve` on the same checkpoint."""
+    proc = ServerProcess(tmp_path_factory.mktemp("ours"), server[1])
+    yield proc
+    assert proc.terminate() == 0, proc.log()
+
+
+def test_echo_with_logprobs_equals_our_serve_token_for_token(server, ours):
     """What lm-eval's loglikelihood sends (`local-completions`' defaults): token ids, `echo`,
     `logprobs=1`, `max_tokens=1`, temperature 0, two prompts in one request as its batches do. vLLM's
     server with our plugin answers as our own `serve` does on the same checkpoint: every prompt and
-    output token, its logprob and its top-1, the text offsets, the finish reason and the counts."""
+    output token, its logprob and its top-1, the text offsets, the text, the finish reason and the counts."""
     url, model = server
     context = [1, 7, 19, 31, 43]
     prompts = [[*context, 12, 24], [*context, 50]]
     body = {"model": model, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234}
     body["echo"] = True
     theirs = completions(url, body)
-    ours_server = ServerProcess(tmp_path, model)
-    try:
-        status, ours = ours_server.post("/v1/completions", body)
-    finally:
-        assert ours_server.terminate() == 0, ours_server.log()
+    status, ours = ours.post("/v1/completions", body)
     assert status == 200, ours
     counts = ("prompt_tokens", "completion_tokens", "total_tokens")
     assert [theirs["usage"][k] for k in counts] == [ours["usage"][k] for k in counts], (theirs["usage"], ours["usage"])
@@ -184,7 +188,35 @@ def test_echo_with_logprobs_equals_our_serve_token_for_token(server, tmp_path):
         assert got["top_logprobs"][0] is None and want["top_logprobs"][0] is None
         for x, y in zip(got["top_logprobs"][1:], want["top_logprobs"][1:], strict=True):
             assert list(x) == list(y) and all(abs(x[t] - y[t]) <= LOGPROB_TOL for t in x), (got, want)
-        # The echoed text starts with the prompt's: vLLM decodes the output with the prompt before it
-        # ("... w24 w29"), our serve decodes the output alone ("... w24w29"): not compared past the prompt.
-        prompt_text = " ".join(got["tokens"][: len(prompt)])
-        assert a["text"].startswith(prompt_text) and b["text"].startswith(prompt_text), (a["text"], b["text"])
+        # The prompt's text (its <s> kept), then the output decoded after it: "... w24 w29", not "... w24w29".
+        assert a["text"] == b["text"] == " ".join(got["tokens"]), (a["text"], b["text"])
+
+
+def sse_text(url: str, path: str, body: dict) -> str:
+    """The text of a streamed answer (completions' `text`, chat's `delta.content`)."""
+    request = urllib.request.Request(
+        f"{url}{path}", data=json.dumps({**body, "stream": True}).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        lines = response.read().decode().splitlines()
+    choices = [c for line in lines if line.startswith("data: {") for c in json.loads(line[6:])["choices"]]
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in choices)
+
+
+def test_completion_and_chat_text_equal_our_serve_streamed_and_not(server, ours):
+    """Greedy text after a text prompt and after a chat, and a stop string that begins with the space
+    before an output word: vLLM's server and ours write the same text, streamed and not."""
+    url, model = server
+    common = {"model": model, "temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    bodies = {"/v1/completions": {**common, "prompt": PROMPT}}
+    bodies["/v1/chat/completions"] = {**common, "messages": [{"role": "user", "content": "w5 w6"}]}
+    for path, body in bodies.items():
+        plain = sse_text(url, path, body)
+        stop = " " + plain.split()[2]  # its first occurrence ends the text before it
+        for request in (body, {**body, "stop": [stop]}):
+            theirs = sse_text(url, path, request)
+            assert theirs == sse_text(ours.url, path, request), (path, request)
+            status, answer = ours.post(path, request)
+            [choice] = answer["choices"]
+            assert status == 200 and (choice.get("text") or choice.get("message", {}).get("content")) == theirs
+        assert plain.startswith(" w") and theirs == plain[: plain.index(stop)]
