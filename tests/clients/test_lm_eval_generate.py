@@ -13,6 +13,7 @@ import json
 
 from support.clients_harness import TASKS, lm_eval_samples, needs
 from support.reference import hf_greedy
+from support.serve_harness import in_context
 
 pytestmark = needs("lm_eval")
 
@@ -34,7 +35,7 @@ def test_generate_until_answers_equal_greedy_transformers(server, hf_model, toke
         prompt = tokenizer.encode(doc["context"], add_special_tokens=False).ids
         ids = hf_greedy(hf_model, prompt, max_gen_toks)
         ids = ids[: ids.index(EOS_ID)] if EOS_ID in ids else ids
-        text = tokenizer.decode(ids)
+        text = in_context(tokenizer, prompt, ids)  # as vLLM's server writes it: decoded after the prompt
         for stop in until:  # what lm-eval keeps of a generation: the text before its first stop string
             text = text.split(stop)[0]
         expected.append(text)
