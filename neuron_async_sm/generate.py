@@ -29,11 +29,12 @@ from neuron_async_sm.args import (
 )
 from neuron_async_sm.config import ConfigError
 from neuron_async_sm.engine.llm import LLM, PromptRequest
-from neuron_async_sm.model import ModelLoadError, tokenizer_path
+from neuron_async_sm.model import ModelLoadError
 from neuron_async_sm.outputs import RequestOutput
 from neuron_async_sm.results_file import ResultsFile, ResultsWriteError
 from neuron_async_sm.runtime import DeviceStartupError
 from neuron_async_sm.sampling_params import InvalidRequestError, SamplingParams
+from neuron_async_sm.serve.tokenizer import ServedTokenizer
 from neuron_async_sm.values import is_int
 
 SUCCEEDED = ("stop", "length")
@@ -76,7 +77,7 @@ Input, one JSON object per line (blank lines skipped):
 Output, one line per input line, in input order (OUT.partial holds them in completion order while
 the run goes on):
   {"request_id", "output_token_ids", "finish_reason": "stop"|"length"|"abort"|"error", "error",
-   "text" (when the model has a tokenizer)}
+   "text" (when the model has a tokenizer: the output decoded after its prompt, as vLLM's)}
 A bad line gets an "error" line naming the field; every other request still runs."""
 
 
@@ -107,7 +108,7 @@ def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
     demo.set_defaults(func=run_demo)
 
 
-def parse_request_line(line: str, index: int, tokenizer: object | None) -> PromptRequest:
+def parse_request_line(line: str, index: int, tokenizer: ServedTokenizer | None) -> PromptRequest:
     """One JSONL line -> PromptRequest; InvalidRequestError names the bad field."""
     try:
         obj = json.loads(line)
@@ -127,7 +128,7 @@ def parse_request_line(line: str, index: int, tokenizer: object | None) -> Promp
             raise InvalidRequestError("prompt: text prompts need a tokenizer.json in the model directory")
         if not isinstance(obj["prompt"], str):
             raise InvalidRequestError("prompt: must be a string")
-        prompt = tokenizer.encode(obj["prompt"]).ids  # type: ignore[attr-defined]
+        prompt = tokenizer.encode(obj["prompt"])
     else:
         raise InvalidRequestError("prompt_token_ids: missing (or give 'prompt' text)")
     if "max_tokens" not in obj:
@@ -164,12 +165,7 @@ def _own_request_id(line: str, seen_ids: set[str]) -> str | None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    tokenizer = None
-    path = tokenizer_path(args.model)
-    if path is not None:
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(path)
+    tokenizer = ServedTokenizer.load(args.model)
     items: list[PromptRequest | RequestOutput] = []
     seen_ids: set[str] = set()
     try:
@@ -212,14 +208,16 @@ def run_demo(args: argparse.Namespace) -> int:
     return _run_requests(args, requests, None)
 
 
-def _run_requests(args: argparse.Namespace, items: list[PromptRequest | RequestOutput], tokenizer: object) -> int:
+def _run_requests(
+    args: argparse.Namespace, items: list[PromptRequest | RequestOutput], tokenizer: ServedTokenizer | None
+) -> int:
     """Run every request, keeping each result durable as it finishes; return the exit code.
 
     Rejected lines (RequestOutput) are results already. Exit codes: see `args.EXIT_*`.
     """
     # Checked before the engine starts: an unwritable path must not cost the whole compute.
     create_output_file(args.stats, "--stats")
-    results = ResultsFile(args.output, [item.request_id for item in items], tokenizer)  # type: ignore[misc]
+    results = ResultsFile(args.output, [item.request_id for item in items], tokenizer)
     outputs: dict[str, RequestOutput] = {}
 
     def finished(output: RequestOutput) -> None:

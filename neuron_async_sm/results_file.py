@@ -19,6 +19,8 @@ from typing import IO
 
 from neuron_async_sm.errors import NeuronAsyncSMError
 from neuron_async_sm.outputs import RequestOutput
+from neuron_async_sm.serve.detokenizer import IncrementalText
+from neuron_async_sm.serve.tokenizer import ServedTokenizer
 
 
 class ResultsWriteError(NeuronAsyncSMError, OSError):
@@ -32,7 +34,9 @@ class ResultsWriteError(NeuronAsyncSMError, OSError):
 class ResultsFile:
     """One line per request: appended as requests finish, rewritten in input order at the end."""
 
-    def __init__(self, path: str | os.PathLike[str], request_ids: Sequence[str], tokenizer: object | None = None):
+    def __init__(
+        self, path: str | os.PathLike[str], request_ids: Sequence[str], tokenizer: ServedTokenizer | None = None
+    ):
         """Check the output is writable before any compute: creates the parent directory and the
         partial file. Raises ResultsWriteError naming the path otherwise."""
         self.path = Path(path)
@@ -91,8 +95,9 @@ class ResultsFile:
 
     def _to_json(self, output: RequestOutput) -> dict:
         line = output.to_json()
-        if self._tokenizer is not None:
-            line["text"] = self._tokenizer.decode(output.output_token_ids)  # type: ignore[attr-defined]
+        if self._tokenizer is not None:  # decoded after the prompt, as vLLM's LLM writes an output's text
+            text = IncrementalText(self._tokenizer, (), prompt_ids=output.prompt_token_ids)
+            line["text"] = text.push(output.output_token_ids, output.finish_reason or "length")
         return line
 
 
