@@ -89,11 +89,21 @@ def add_engine_args(p: argparse.ArgumentParser, *, progress: bool = True) -> Non
     progress bar exists (`serve` has none)."""
     hints = typing.get_type_hints(EngineConfig)
     for f in engine_fields():
-        name = f.metadata.get("name", "--" + f.name.replace("_", "-"))
-        p.add_argument(name, **_flag_options(f, hints[f.name]))
+        _add_flag(p, f, hints[f.name])
     p.add_argument("--stats", default=None, metavar="STATS.json", help="write run statistics as JSON")
     if progress:
         p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def add_engine_flag(p: argparse.ArgumentParser, name: str) -> None:
+    """The engine flag of the `EngineConfig` field `name` alone, spelt, typed and parsed as
+    `add_engine_args` has it: for a command that takes a few engine settings (`bench`)."""
+    (f,) = (f for f in engine_fields() if f.name == name)
+    _add_flag(p, f, typing.get_type_hints(EngineConfig)[name])
+
+
+def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field, hint: object) -> None:
+    p.add_argument(f.metadata.get("name", "--" + f.name.replace("_", "-")), **_flag_options(f, hint))
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

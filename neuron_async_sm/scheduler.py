@@ -92,6 +92,7 @@ class Scheduler:
         spec = config.speculative_config
         self.num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens  # k; 0: no speculation
         self.num_accepted_tokens = 0  # drafts accepted, over every spec row applied
+        self.num_prompt_steps = 0  # steps that scheduled a prompt chunk (the others are decode steps)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -316,6 +317,7 @@ class Scheduler:
             # Nothing to run (e.g. every request waits on an in-flight token): keep the finished ids
             # for the next step that reaches the worker.
             return SchedulerOutput(self._next_step_id, {}, {}, [], frozenset(), frozenset(), False)
+        self.num_prompt_steps += not all_decode  # before speculation makes every step's input [rows, L]
         if k:
             for req_id in sampling:
                 self.requests[req_id].num_sampling_in_flight += 1

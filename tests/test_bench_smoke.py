@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import tree_ab  # tools/ (pytest's pythonpath)
 
+from neuron_async_sm.bench.checkpoint import write_checkpoint, write_noisy_copy
 from neuron_async_sm.bench.metrics import compare, percentile
 from neuron_async_sm.bench.sweep import ideal_speedup
 from neuron_async_sm.bench.workloads import WORKLOADS, build_workload
@@ -35,31 +36,23 @@ PER_MODE = (
 )
 
 
-def test_bench_writes_a_complete_report(tmp_path: Path) -> None:
+def test_bench_writes_a_complete_report(tmp_path: Path, capsys) -> None:
+    """With a draft model, so one invocation covers the four engines (sync and async, without and with
+    speculation) and the spec figures: acceptance in [0, 1], at least one token per target step and per
+    spec row, SpecSteady counted, async against sync with speculation."""
+    target = write_checkpoint(tmp_path / "target", layer_scale=0.02)
+    draft = write_noisy_copy(target, tmp_path / "draft", 0.0, num_layers=1)
+    speculative = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
     out = tmp_path / "bench.json"
-    argv = [
-        "bench",
-        "--workload",
-        "steady",
-        "--num-requests",
-        "2",
-        "--output-tokens",
-        "6",
-        "--repetitions",
-        "2",
-        "--warmup",
-        "0",
-        "--json",
-        str(out),
-        "--no-progress",
-    ]
-    assert main(argv) == 0
+    argv = ["bench", "--workload", "steady", "--model", str(target), "--num-requests", "2", "--output-tokens", "8"]
+    argv += ["--repetitions", "2", "--warmup", "0", "--speculative-config", json.dumps(speculative)]
+    assert main([*argv, "--json", str(out), "--no-progress"]) == 0
     report = json.loads(out.read_text())
     for mode in ("sync", "async"):
         for field in PER_MODE:
             value = report[mode][field]
             assert isinstance(value, float) and math.isfinite(value) and value > 0, (mode, field, value)
-        assert report[mode]["output_tokens"] == 2 * 6
+        assert report[mode]["output_tokens"] == 2 * 8
         assert report[mode]["device_idle_ms_per_step"] >= 0
         assert math.isfinite(report[mode]["device_overhead_ms_per_step"])
     for field in ("speedup", "ideal_speedup", "C_ms", "D_ms", "D_over_C"):
@@ -71,8 +64,24 @@ def test_bench_writes_a_complete_report(tmp_path: Path) -> None:
     assert report["sync"]["serial_s"] >= report["sync"]["ideal_s"] > 0
     assert report["sync"]["busy_s"] >= report["sync"]["ideal_with_transport_s"] > 0
     assert 1.0 <= report["ideal_speedup_with_transport"] <= 2.0 and math.isfinite(report["O_ms"])
-    assert {r["mode"] for r in report["runs"]} == {"sync", "async"} and len(report["runs"]) == 4
     assert all(math.isnan(r["other_cpu"]) or r["other_cpu"] >= 0.0 for r in report["runs"])  # NaN: no /proc
+    # Each repetition ran every engine once, in an order rotated by one engine per repetition.
+    names = ["sync", "async", "sync_spec", "async_spec"]
+    assert [r["mode"] for r in report["runs"]] == names + names[1:] + names[:1]
+    assert report["speculative_config"]["num_speculative_tokens"] == 2
+    spec = report["speculation"]
+    for mode in ("sync", "async"):
+        assert spec[mode]["output_tokens"] == 2 * 8 and spec[mode]["num_draft_tokens"] > 0, mode
+        assert 0.0 <= spec["acceptance_rate"][mode] <= 1.0, spec["acceptance_rate"]
+        assert 1.0 <= spec["tokens_per_spec_row"][mode] <= 1 + 2, spec["tokens_per_spec_row"]
+        assert 1.0 <= spec["tokens_per_step"][mode]["none"] <= spec["tokens_per_step"][mode]["spec"], mode
+        ratio = spec["spec_over_none"][mode]
+        assert len(ratio["per_repetition"]) == 2 and 0 < ratio["min"] <= ratio["median"] <= ratio["max"], ratio
+    assert spec["state_counts"]["SpecSteady"] > 0 and 0.0 < spec["spec_steady_fraction"] <= 1.0
+    assert spec["decode_steps"] == spec["async"]["steps_total"] - 2  # each run's one prefill step
+    assert 1.0 <= spec["ideal_speedup"] <= 2.0 and math.isfinite(spec["speedup"]) and spec["D_ms"] > 0
+    printed = capsys.readouterr().out
+    assert "async spec" in printed and "spec/none tokens/s" in printed and "SpecSteady:" in printed, printed
 
 
 def test_overlap_figures_follow_their_definitions() -> None:
@@ -184,3 +193,10 @@ def test_a_section_without_its_dev_extra_fails_before_any_run(flag, module, monk
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"needs {module}" in err and "pip install -e '.[dev]'" in err and "Traceback" not in err, err
+
+
+def test_a_bad_speculative_config_exits_2_naming_the_key(capsys) -> None:
+    bad = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1})
+    assert main(["bench", "--speculative-config", bad, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "speculative_config.draft_tensor_parallel_size: not supported" in err and "Traceback" not in err, err

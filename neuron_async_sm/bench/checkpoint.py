@@ -3,7 +3,9 @@
 `tiny-llama` is built in memory; saved with `write_checkpoint(dir, TINY_LLAMA_CONFIG)` it becomes a
 directory that both our loader and `transformers.LlamaForCausalLM.from_pretrained` read, with the same
 weights on both sides. `MICRO_LLAMA_CONFIG` is a one-layer model whose program is a fraction of a
-millisecond, so `--device-time-ms` alone sets the device time of the D/C sweep.
+millisecond, so `--device-time-ms` alone sets the device time of the D/C sweep. `SPEC_TARGET_CONFIG`
+is the speculative-decoding benchmark's target, large enough that its compute, not the fixed cost of
+a pass, sets a step's time (`write_spec_checkpoints`: it and its drafts; `bench spec-checkpoints`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,21 @@ MICRO_LLAMA_CONFIG = replace(
     num_key_value_heads=1,
     head_dim=16,
 )
+
+# ~25 M parameters (8 layers of hidden 512): a decode step at batch 8 takes some 15-30 ms on one core.
+SPEC_TARGET_CONFIG = replace(
+    TINY_LLAMA_CONFIG,
+    vocab_size=2048,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+)
+SPEC_LAYER_SCALE = 0.01  # the target's layers add little to the residual stream: its first layer alone predicts it
+SPEC_DRAFT_NOISE = {"high": 0.0, "low": 0.15}  # noise of each draft (its first layer), in weight std
+SPEC_K = 4  # drafts per row in the commands `bench spec-checkpoints` prints
 
 
 def hf_config(config: LlamaConfig) -> dict:
@@ -107,3 +124,16 @@ def write_noisy_copy(
         noisy[name] = weight + scale * torch.randn(weight.shape, generator=generator, dtype=weight.dtype)
     save_file(noisy, str(path / "model.safetensors"))
     return path
+
+
+def write_spec_checkpoints(directory: str | Path) -> dict[str, Path]:
+    """The speculative-decoding benchmark's checkpoints under `directory`: "target" (SPEC_TARGET_CONFIG,
+    its layers scaled by SPEC_LAYER_SCALE) and one draft per acceptance setting, "draft-high" and
+    "draft-low": the target's first layer alone (an eighth of a target pass), plus SPEC_DRAFT_NOISE."""
+    path = Path(directory)
+    target = write_checkpoint(path / "target", SPEC_TARGET_CONFIG, layer_scale=SPEC_LAYER_SCALE)
+    drafts = {
+        f"draft-{setting}": write_noisy_copy(target, path / f"draft-{setting}", noise, num_layers=1)
+        for setting, noise in SPEC_DRAFT_NOISE.items()
+    }
+    return {"target": target, **drafts}

@@ -1,14 +1,17 @@
 """`neuron-async-sm bench`: argument parsing, the sections to run, tables on stdout, JSON and plots.
 
-Sections: the sync/async comparison on one workload (always, unless `--no-compare`), and on request
-the D/C sweep (`--sweep`), host cost per step vs batch size and vs waiting requests (`--host-cost`),
-and tokens/s against transformers (`--vs-transformers`). `--all` runs every section. `bench serve`
-(bench/serve_command.py) benchmarks an HTTP server instead of the engine in process.
+Sections: the sync/async comparison on one workload (always, unless `--no-compare`; with
+`--speculative-config`, on four engines: sync and async, each without and with speculation), and on
+request the D/C sweep (`--sweep`), host cost per step vs batch size and vs waiting requests
+(`--host-cost`), and tokens/s against transformers (`--vs-transformers`). `--all` runs every section.
+`bench serve` (bench/serve_command.py) benchmarks an HTTP server instead of the engine in process;
+`bench spec-checkpoints DIR` writes the speculative-decoding benchmark's target and drafts.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -16,13 +19,14 @@ import os
 import time
 from pathlib import Path
 
-from neuron_async_sm.args import positive_floats
+from neuron_async_sm.args import add_engine_flag, positive_floats
 from neuron_async_sm.bench import host_cost, peer, sweep
+from neuron_async_sm.bench.checkpoint import SPEC_K, write_spec_checkpoints
 from neuron_async_sm.bench.report import finite, machine, progress_bar
 from neuron_async_sm.bench.runner import batch_config, compare_modes, load_average
 from neuron_async_sm.bench.serve_command import add_serve_bench_parser
 from neuron_async_sm.bench.workloads import DEFAULT_NUM_REQUESTS, WORKLOADS, build_workload, with_constraints
-from neuron_async_sm.config import ConfigError
+from neuron_async_sm.config import ConfigError, SpeculativeConfig
 from neuron_async_sm.model.config import load_model_config
 from neuron_async_sm.runtime.devices import DeviceKind
 
@@ -40,6 +44,17 @@ COMPARE_FIELDS = (
     ("TPOT p50 ms", "tpot_ms_p50", "{:.3f}"),
     ("TPOT p99 ms", "tpot_ms_p99", "{:.3f}"),
     ("ITL p99 ms", "itl_ms_p99", "{:.3f}"),
+)
+
+
+SPEC_FIELDS = (
+    ("tokens/s", "tokens_per_s", "{:.0f}"),
+    ("tokens/step", "tokens_per_step", "{:.2f}"),
+    ("ms/step", "step_ms", "{:.3f}"),
+    ("C host ms/step", "host_ms_per_step", "{:.3f}"),
+    ("D device ms/step", "device_ms_per_step", "{:.3f}"),
+    ("device idle ms/step", "device_idle_ms_per_step", "{:.3f}"),
+    ("TPOT p50 ms", "tpot_ms_p50", "{:.3f}"),
 )
 
 
@@ -116,6 +131,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="shared machine: redo a sync/async pair if other processes used more than this share "
         "of the CPUs during it (e.g. 0.1)",
     )
+    # The engine flag itself (parsed by SpeculativeConfig.parse): the comparison adds two engines with it.
+    add_engine_flag(p, "speculative_config")
     p.add_argument("--no-compare", action="store_true", help="skip the sync/async comparison")
     p.add_argument(
         "--sweep",
@@ -140,8 +157,23 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run_bench)
-    sections = p.add_subparsers(dest="bench_command", metavar="{serve}", title="against a server")
+    sections = p.add_subparsers(dest="bench_command", metavar="{serve,spec-checkpoints}", title="more")
     add_serve_bench_parser(sections)  # bench/serve_command.py: `bench serve`
+    pair = sections.add_parser(
+        "spec-checkpoints",
+        help="write the speculative-decoding benchmark's checkpoints: a target, a high- and a low-acceptance draft",
+    )
+    pair.add_argument("directory", help="written into DIRECTORY/target, DIRECTORY/draft-high, DIRECTORY/draft-low")
+    pair.set_defaults(func=run_spec_checkpoints)
+
+
+def run_spec_checkpoints(args: argparse.Namespace) -> int:
+    """`bench spec-checkpoints DIR`: write the pair, print the bench command of each setting."""
+    paths = write_spec_checkpoints(args.directory)
+    for setting in ("high", "low"):
+        spec = {"method": "draft_model", "model": str(paths[f"draft-{setting}"]), "num_speculative_tokens": SPEC_K}
+        print(f"{setting}: neuron-async-sm bench --model {paths['target']} --speculative-config '{json.dumps(spec)}'")
+    return 0
 
 
 def _require_dev_extras(args: argparse.Namespace) -> None:
@@ -159,6 +191,10 @@ def run_bench(args: argparse.Namespace) -> int:
         args.sweep = args.sweep or sweep.DEFAULT_RATIOS
         args.host_cost = args.vs_transformers = True
     _require_dev_extras(args)
+    if args.speculative_config is not None:
+        args.speculative_config = SpeculativeConfig.parse(args.speculative_config)  # ConfigError names the key
+        if args.no_compare:
+            raise ConfigError("--speculative-config: speculates in the comparison, which --no-compare skips")
     show = not args.no_progress
     engine = {"device_cpu": args.device_cpu, "device_threads": args.device_threads}
     report: dict = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "engine_options": engine}
@@ -243,7 +279,9 @@ def _compare_section(args: argparse.Namespace, show: bool) -> dict:
         "seed": args.seed,
         "async_relay": args.async_relay,
     }
-    advance, close = progress_bar(show, 2 * (args.warmup + args.repetitions), f"bench {args.workload}")
+    speculative = args.speculative_config
+    engines = 2 if speculative is None else 4
+    advance, close = progress_bar(show, engines * (args.warmup + args.repetitions), f"bench {args.workload}")
     try:
         result = compare_modes(
             args.model,
@@ -253,16 +291,20 @@ def _compare_section(args: argparse.Namespace, show: bool) -> dict:
             max_other_cpu=args.max_other_cpu,
             native_cpu=native_cpu,
             progress=advance,
+            speculative_config=speculative,
             **config,
         )
     finally:
         close()
     section = result.to_json()
     section.update(workload=args.workload, num_requests=num_requests, model=args.model, config=config)
+    section["speculative_config"] = None if speculative is None else dataclasses.asdict(speculative)
     section["penalties"] = args.penalties
     section["constrained_fraction"] = args.constrained_fraction
     section["native_cpu"] = native_cpu
     _print_compare(section)
+    if speculative is not None:
+        _print_speculation(section)
     return section
 
 
@@ -273,9 +315,7 @@ def _print_compare(section: dict) -> None:
         f"--device {config['device']}, "
         f"device_time_ms={config['device_time_ms']}, medians of {reps} runs per mode"
     )
-    print(f"{'':20s} {'sync':>10s} {'async':>10s}")
-    for label, key, fmt in COMPARE_FIELDS:
-        print(f"{label:20s} {fmt.format(section['sync'][key]):>10s} {fmt.format(section['async'][key]):>10s}")
+    _print_table([("sync", section["sync"]), ("async", section["async"])], COMPARE_FIELDS)
     print(
         f"speedup {section['speedup']:.3f} (ideal {section['ideal_speedup']:.3f}), "
         f"overlap_efficiency {section['overlap_efficiency']:.2f}, D/C {section['D_over_C']:.2f}, "
@@ -295,6 +335,40 @@ def _print_compare(section: dict) -> None:
             f"constrained fraction {section['constrained_fraction']}: launch_counts {section['launch_counts']}, "
             f"deferred_step_fraction {section['deferred_step_fraction']:.3f}"
         )
+
+
+def _print_table(columns: list[tuple[str, dict]], fields: tuple[tuple[str, str, str], ...]) -> None:
+    print(f"{'':20s}" + "".join(f" {name:>10s}" for name, _ in columns))
+    for label, key, fmt in fields:
+        print(f"{label:20s}" + "".join(f" {fmt.format(metrics[key]):>10s}" for _, metrics in columns))
+
+
+def _print_speculation(section: dict) -> None:
+    spec, config = section["speculation"], section["speculative_config"]
+    print(
+        f"\nwith speculation ({config['method']}, k = {config['num_speculative_tokens']}): "
+        f"medians of {spec['sync']['repetitions']} runs per engine, each repetition runs all four"
+    )
+    columns = [("sync", section["sync"]), ("async", section["async"])]
+    _print_table(columns + [("sync spec", spec["sync"]), ("async spec", spec["async"])], SPEC_FIELDS)
+    for mode in ("sync", "async"):
+        ratio, per_step = spec["spec_over_none"][mode], spec["tokens_per_step"][mode]
+        print(
+            f"{mode}: spec/none tokens/s {ratio['median']:.3f} (paired, {ratio['min']:.3f}-{ratio['max']:.3f}); "
+            f"acceptance {spec['acceptance_rate'][mode]:.3f}, tokens per spec row "
+            f"{spec['tokens_per_spec_row'][mode]:.2f}, tokens per target step {per_step['none']:.2f} -> "
+            f"{per_step['spec']:.2f}"
+        )
+    print(
+        f"async/sync with speculation: speedup {spec['speedup']:.3f} (ideal {spec['ideal_speedup']:.3f}, with the "
+        f"transport {spec['ideal_speedup_with_transport']:.3f}), overlap_efficiency {spec['overlap_efficiency']:.2f}, "
+        f"D/C {spec['D_over_C']:.2f}"
+    )
+    counts = {k: n for k, n in spec["state_counts"].items() if n}
+    print(
+        f"SpecSteady: {counts.get('SpecSteady', 0)} of {spec['decode_steps']} decode steps "
+        f"({spec['spec_steady_fraction']:.1%}); async spec state_counts {counts}"
+    )
 
 
 def _print_sweep(data: dict) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from neuron_async_sm.bench.probe import PHASES, TurnLog
+from neuron_async_sm.worker.async_machine import SPEC_STEADY
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -65,6 +66,8 @@ def run_metrics(
         "busy_s": busy_s,
         "wall_s": wall_s,
         "tokens_per_s": tokens / busy_s,
+        "tokens_per_step": tokens / steps,  # emitted tokens per target step (the batch's, not a row's)
+        "decode_steps": steps - counters["prompt_steps"],  # steps without a prompt chunk
         "steps_per_s": steps / busy_s,
         "step_ms": busy_s / steps * 1e3,
         "ttft_ms_p50": percentile(ttft, 50),
@@ -103,6 +106,10 @@ def run_metrics(
         # Counting the transport as host-side time, the sync run is exactly serial; the bound is max(C + O, D).
         metrics["ideal_with_transport_s"] = sum(max(c + o, d) for c, d, o in steps_cdo) + other
         metrics["sync_overhead_ms_per_step"] = sum(o for _, _, o in steps_cdo) / steps * 1e3
+    if "spec_decode" in counters:  # this run's num_spec_rows, num_draft_tokens, num_accepted_tokens
+        spec = counters["spec_decode"]
+        metrics.update(spec)
+        metrics.update(spec_rates(spec))
     if "state_counts" in counters:
         metrics["async_steps"] = counters["async_steps"]
         metrics["sync_fallback_steps"] = counters["sync_fallback_steps"]
@@ -110,6 +117,17 @@ def run_metrics(
         metrics["launch_counts"] = counters["launch_counts"]
         metrics["async_step_fraction"] = counters["async_steps"] / steps
     return metrics
+
+
+def spec_rates(counts: dict) -> dict:
+    """From summed spec_decode counters: acceptance_rate, drafts accepted / drafts proposed, and
+    tokens_per_spec_row, what a row that verified drafts emitted on average (its accepted drafts and
+    one more: the recovered or bonus token). NaN where nothing was drafted."""
+    rows, drafted, accepted = counts["num_spec_rows"], counts["num_draft_tokens"], counts["num_accepted_tokens"]
+    return {
+        "acceptance_rate": accepted / drafted if drafted else math.nan,
+        "tokens_per_spec_row": (rows + accepted) / rows if rows else math.nan,
+    }
 
 
 def median_metrics(runs: list[dict]) -> dict:
@@ -169,3 +187,44 @@ def compare(sync_runs: list[dict], async_runs: list[dict]) -> dict:
         "speedup_per_pair": speedup,
         "overlap_efficiency_per_pair": efficiency,
     }
+
+
+def speculation(groups: list[dict[str, dict]]) -> dict:
+    """The spec engines' figures over the kept repetitions, each a group of runs by engine name
+    (runner.MODES and runner.SPEC_MODES: "sync", "async", "sync_spec", "async_spec").
+
+    - "sync", "async": the spec engines' medians; then `compare`'s figures for them (async against
+      sync with speculation, against the same run's ideal: C and D of a spec step, D the target's
+      verification and the drafter's passes, one program).
+    - "spec_over_none": per mode, tokens/s with speculation / without, per repetition (both ran in
+      it) and their median and range.
+    - per mode, over every kept run: "acceptance_rate" and "tokens_per_spec_row" (`spec_rates`),
+      "tokens_per_step" without and with speculation (emitted tokens / target steps).
+    - "spec_steady_fraction": the async spec engine's SpecSteady steps / its decode steps.
+    """
+    sync, async_ = [g["sync_spec"] for g in groups], [g["async_spec"] for g in groups]
+    out: dict = {"sync": median_metrics(sync), "async": median_metrics(async_), **compare(sync, async_)}
+    out["spec_over_none"], out["tokens_per_step"] = {}, {}
+    out["acceptance_rate"], out["tokens_per_spec_row"] = {}, {}
+    for mode in ("sync", "async"):
+        ratios = [g[f"{mode}_spec"]["tokens_per_s"] / g[mode]["tokens_per_s"] for g in groups]
+        out["spec_over_none"][mode] = {
+            "median": statistics.median(ratios),
+            "min": min(ratios),
+            "max": max(ratios),
+            "per_repetition": ratios,
+        }
+        spec_runs = [g[f"{mode}_spec"] for g in groups]
+        totals = {k: sum(r[k] for r in spec_runs) for k in ("num_spec_rows", "num_draft_tokens", "num_accepted_tokens")}
+        rates = spec_rates(totals)
+        out["acceptance_rate"][mode] = rates["acceptance_rate"]
+        out["tokens_per_spec_row"][mode] = rates["tokens_per_spec_row"]
+        out["tokens_per_step"][mode] = {
+            spec: sum(g[name]["output_tokens"] for g in groups) / sum(g[name]["steps"] for g in groups)
+            for spec, name in (("none", mode), ("spec", f"{mode}_spec"))
+        }
+    counts = out["async"]["state_counts"]
+    out["state_counts"] = counts
+    out["decode_steps"] = sum(r["decode_steps"] for r in async_)  # the async spec engine's, every kept run
+    out["spec_steady_fraction"] = counts[SPEC_STEADY] / out["decode_steps"]
+    return out

@@ -9,9 +9,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from neuron_async_sm.bench.metrics import RequestTimes, compare, median_metrics, run_metrics
+from neuron_async_sm.bench.metrics import RequestTimes, compare, median_metrics, run_metrics, speculation
 from neuron_async_sm.bench.probe import StepProbe
 from neuron_async_sm.bench.workloads import Workload
+from neuron_async_sm.config import SpeculativeConfig
 from neuron_async_sm.engine.llm import LLM, Turn
 from neuron_async_sm.worker.async_machine import ASYNC_STATES
 
@@ -175,7 +176,12 @@ class ProbedLLM:
 
 def _counters(before: dict, after: dict) -> dict:
     """The run's own counters: differences of the engine's cumulative ones."""
-    out = {"async_scheduling": after["async_scheduling"]}
+    out = {
+        "async_scheduling": after["async_scheduling"],
+        "prompt_steps": after["prompt_steps"] - before["prompt_steps"],
+    }
+    if "spec_decode" in after:  # num_spec_rows, num_draft_tokens, num_accepted_tokens
+        out["spec_decode"] = {k: v - before["spec_decode"][k] for k, v in after["spec_decode"].items()}
     if "state_counts" in after:
         out["async_steps"] = after["async_steps"] - before["async_steps"]
         out["sync_fallback_steps"] = after["sync_fallback_steps"] - before["sync_fallback_steps"]
@@ -186,17 +192,19 @@ def _counters(before: dict, after: dict) -> dict:
 
 @dataclass(frozen=True)
 class ModeComparison:
-    """Medians per mode and the comparison; `runs` keeps every repetition (in run order)."""
+    """Medians per mode and the comparison; `runs` keeps every repetition (in run order).
+    `speculation`: with a speculative config, the spec engines' figures (`metrics.speculation`)."""
 
     sync: dict
     async_: dict
     comparison: dict
     runs: list[dict]
+    speculation: dict | None = None
 
     def to_json(self) -> dict:
         """The issue's layout: {"sync", "async", "speedup", "ideal_speedup", "overlap_efficiency", ...}."""
         counts = self.async_["state_counts"]
-        return {
+        out = {
             "sync": self.sync,
             "async": self.async_,
             **self.comparison,
@@ -209,6 +217,14 @@ class ModeComparison:
             "deferred_step_fraction": self.async_["launch_counts"]["SampleDeferred"] / self.async_["steps_total"],
             "runs": self.runs,
         }
+        if self.speculation is not None:
+            out["speculation"] = self.speculation
+        return out
+
+
+MODES = ("sync", "async")
+SPEC_MODES = ("sync_spec", "async_spec")
+"""Engine names of the comparison: each mode without speculation, then with it (a speculative config)."""
 
 
 def compare_modes(
@@ -221,59 +237,67 @@ def compare_modes(
     host_extra_ms: float = 0.0,
     native_cpu: int | None = None,
     progress: Progress | None = None,
+    speculative_config: SpeculativeConfig | None = None,
     **config: object,
 ) -> ModeComparison:
-    """Run `workload` on a sync and an async engine, alternating (ABBA order, so slow drift of the
-    machine's load hits both modes alike), `repetitions` times each after `warmup` unrecorded runs.
+    """Run `workload` on a sync and an async engine, and with `speculative_config` on a sync and an
+    async engine that speculate too, one run of each per repetition in an order that rotates by one
+    engine every repetition (two engines: ABBA), so slow drift of the machine's load hits every
+    engine alike; `repetitions` times each after `warmup` unrecorded runs.
 
     On a shared machine, `max_other_cpu` waits (up to 2 minutes) for a quiet second before each
-    (sync, async) pair and keeps only pairs during which other processes used at most that share of
-    the CPUs; a busy pair is recorded as excluded and run again, up to 5 x `repetitions` pairs in all
-    (then the quietest pairs are kept). `native_cpu`: see ProbedLLM.
+    repetition and keeps only repetitions during which other processes used at most that share of
+    the CPUs; a busy one is recorded as excluded and run again, up to 5 x `repetitions` in all
+    (then the quietest are kept). `native_cpu`: see ProbedLLM.
     """
-    engines = {
-        mode: ProbedLLM(model, host_extra_ms, native_cpu, async_scheduling=mode == "async", **config)
-        for mode in ("sync", "async")
-    }
+    plans = {mode: {"async_scheduling": mode == "async"} for mode in MODES}
+    if speculative_config is not None:
+        # The relay is off under speculation (EngineConfig says so in a warning): asked off, no warning.
+        spec = {"speculative_config": speculative_config, "async_relay": False}
+        plans.update({f"{mode}_spec": {**plans[mode], **spec} for mode in MODES})
+    engines = {name: ProbedLLM(model, host_extra_ms, native_cpu, **{**config, **plan}) for name, plan in plans.items()}
+    names = list(engines)
     try:
         for _ in range(warmup):
-            for mode, engine in engines.items():
+            for name, engine in engines.items():
                 metrics = engine.run(workload)
                 if progress is not None:
-                    progress(f"warm-up {mode} {metrics['step_ms']:.2f} ms/step")
-        pairs: list[dict[str, dict]] = []
+                    progress(f"warm-up {name} {metrics['step_ms']:.2f} ms/step")
+        groups: list[dict[str, dict]] = []
         runs = []
         attempts = 5 * repetitions if max_other_cpu is not None else repetitions
         for rep in range(attempts):
-            order = ("sync", "async") if rep % 2 == 0 else ("async", "sync")
+            turn = rep % len(names)
+            order = names[turn:] + names[:turn]
             OtherLoad.wait_for_quiet(max_other_cpu)
-            pair = {mode: engines[mode].run(workload) for mode in order}
-            busy = max(m["other_cpu"] for m in pair.values())
+            group = {name: engines[name].run(workload) for name in order}
+            busy = max(m["other_cpu"] for m in group.values())
             excluded = max_other_cpu is not None and not busy <= max_other_cpu
-            for mode in order:
-                runs.append({"mode": mode, "repetition": rep, "excluded": excluded, **pair[mode]})
+            for name in order:
+                runs.append({"mode": name, "repetition": rep, "excluded": excluded, **group[name]})
                 if progress is not None:
-                    progress(f"{mode} {pair[mode]['step_ms']:.2f} ms/step, others {pair[mode]['other_cpu']:.0%}")
+                    progress(f"{name} {group[name]['step_ms']:.2f} ms/step, others {group[name]['other_cpu']:.0%}")
             if not excluded:
-                pairs.append(pair)
-                if len(pairs) == repetitions:
+                groups.append(group)
+                if len(groups) == repetitions:
                     break
     finally:
         for engine in engines.values():
             engine.close()
         if native_cpu is not None:
             split_native_threads(None)
-    if len(pairs) < repetitions:  # the machine never calmed down: keep the quietest pairs
-        by_quiet = sorted(_pairs(runs), key=lambda p: max(m["other_cpu"] for m in p.values()))
-        pairs = by_quiet[:repetitions]
-    sync, async_ = [p["sync"] for p in pairs], [p["async"] for p in pairs]
+    if len(groups) < repetitions:  # the machine never calmed down: keep the quietest repetitions
+        by_quiet = sorted(_groups(runs), key=lambda g: max(m["other_cpu"] for m in g.values()))
+        groups = by_quiet[:repetitions]
+    sync, async_ = [g["sync"] for g in groups], [g["async"] for g in groups]
     comparison = compare(sync, async_)
-    comparison["excluded_pairs"] = sum(r["excluded"] for r in runs) // 2
-    return ModeComparison(median_metrics(sync), median_metrics(async_), comparison, runs)
+    comparison["excluded_pairs"] = sum(r["excluded"] for r in runs) // len(names)  # repetitions redone
+    spec = speculation(groups) if speculative_config is not None else None
+    return ModeComparison(median_metrics(sync), median_metrics(async_), comparison, runs, spec)
 
 
-def _pairs(runs: list[dict]) -> list[dict[str, dict]]:
-    pairs: dict[int, dict[str, dict]] = {}
+def _groups(runs: list[dict]) -> list[dict[str, dict]]:
+    groups: dict[int, dict[str, dict]] = {}
     for run in runs:
-        pairs.setdefault(run["repetition"], {})[run["mode"]] = run
-    return list(pairs.values())
+        groups.setdefault(run["repetition"], {})[run["mode"]] = run
+    return list(groups.values())

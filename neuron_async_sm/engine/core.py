@@ -386,6 +386,7 @@ class EngineCore:
         stats = {
             "async_scheduling": self.config.async_scheduling,
             "steps": self.num_steps,
+            "prompt_steps": self.scheduler.num_prompt_steps,  # steps with a prompt chunk; the rest decode
             "output_tokens": self.scheduler.num_output_tokens,
             "elapsed_s": elapsed,
             "tokens_per_s": self.scheduler.num_output_tokens / elapsed if elapsed > 0 else 0.0,
