@@ -31,7 +31,7 @@ MICRO_LLAMA_CONFIG = replace(
     head_dim=16,
 )
 
-# ~25 M parameters (8 layers of hidden 512): a decode step at batch 8 takes some 15-30 ms on one core.
+# ~25 M parameters (8 layers of hidden 512): its compute, not a pass's fixed cost, sets a step's time.
 SPEC_TARGET_CONFIG = replace(
     TINY_LLAMA_CONFIG,
     vocab_size=2048,
@@ -129,7 +129,7 @@ def write_noisy_copy(
 def write_spec_checkpoints(directory: str | Path) -> dict[str, Path]:
     """The speculative-decoding benchmark's checkpoints under `directory`: "target" (SPEC_TARGET_CONFIG,
     its layers scaled by SPEC_LAYER_SCALE) and one draft per acceptance setting, "draft-high" and
-    "draft-low": the target's first layer alone (an eighth of a target pass), plus SPEC_DRAFT_NOISE."""
+    "draft-low": the target's first layer alone (one of its eight), plus SPEC_DRAFT_NOISE."""
     path = Path(directory)
     target = write_checkpoint(path / "target", SPEC_TARGET_CONFIG, layer_scale=SPEC_LAYER_SCALE)
     drafts = {
