@@ -254,7 +254,7 @@ def compare_modes(
     if speculative_config is not None:
         # The relay is off under speculation (EngineConfig says so in a warning): asked off, no warning.
         spec = {"speculative_config": speculative_config, "async_relay": False}
-        plans.update({f"{mode}_spec": {**plans[mode], **spec} for mode in MODES})
+        plans.update({name: {**plans[mode], **spec} for mode, name in zip(MODES, SPEC_MODES, strict=True)})
     engines = {name: ProbedLLM(model, host_extra_ms, native_cpu, **{**config, **plan}) for name, plan in plans.items()}
     names = list(engines)
     try:
