@@ -7,17 +7,23 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import tree_ab  # tools/ (pytest's pythonpath)
+from safetensors.torch import load_file
 
 from neuron_async_sm.bench.checkpoint import write_checkpoint, write_noisy_copy
 from neuron_async_sm.bench.metrics import compare, percentile
 from neuron_async_sm.bench.sweep import ideal_speedup
 from neuron_async_sm.bench.workloads import WORKLOADS, build_workload
-from neuron_async_sm.cli import main
+from neuron_async_sm.cli import build_parser, main
+from neuron_async_sm.config import SpeculativeConfig
+from neuron_async_sm.model import load_model_config
+from neuron_async_sm.model.drafter import check_draft_model
 
 PER_MODE = (
     "tokens_per_s",
@@ -200,3 +206,23 @@ def test_a_bad_speculative_config_exits_2_naming_the_key(capsys) -> None:
     assert main(["bench", "--speculative-config", bad, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "speculative_config.draft_tensor_parallel_size: not supported" in err and "Traceback" not in err, err
+
+
+def test_spec_checkpoints_writes_a_target_and_drafts_of_its_first_layer(tmp_path: Path, capsys) -> None:
+    """`bench spec-checkpoints DIR`: the high draft is the target's first layer exactly, the low one
+    that layer with noise; each printed command parses and its draft passes the engine's check."""
+    assert main(["bench", "spec-checkpoints", str(tmp_path)]) == 0
+    lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    target = load_model_config(str(tmp_path / "target"))
+    weights = load_file(str(tmp_path / "target" / "model.safetensors"))
+    for setting, exact in (("high", True), ("low", False)):
+        argv = shlex.split(lines[setting])
+        assert argv[:2] == ["neuron-async-sm", "bench"], lines
+        args = build_parser().parse_args(argv[1:])
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        draft = check_draft_model(spec, target, tensor_parallel_size=1)
+        assert draft.num_hidden_layers == 1 < target.num_hidden_layers
+        drafted = load_file(str(Path(spec.model) / "model.safetensors"))
+        assert drafted.keys() == {n for n in weights if ".layers." not in n or ".layers.0." in n}
+        same = all(torch.equal(drafted[n], weights[n]) for n in drafted)
+        assert same == exact, setting
