@@ -102,6 +102,24 @@ def test_serving_with_the_relay_enqueues_no_signature_warm_up_did_not():
     assert stats["compilations"] == 0  # the key is there on a compiling device
 
 
+def test_speculation_enqueues_no_signature_warm_up_did_not():
+    """Every spec step (prompt chunks, rows verifying drafts, rows fed from next_input: SpecSteady,
+    SpecExit, ReorderRemap) is a spec program call warm-up ran, on every row count and bucket."""
+    log = SignatureLog()
+    items = random_workload(random.Random(29), "w", max_prompt=40)
+    spec = {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens": 2}  # the target drafts
+    plain = dict(SHAPES, sampling_extras=False, speculative_config=spec)
+    with LLM("tiny-llama", device="accelerator", async_scheduling=True, runtime_factory=log, **plain) as llm:
+        warmed = set(log.calls)
+        started = len(log.calls)
+        drive(llm, items, aborts=True)
+        stats = llm.stats()
+    served = set(log.calls[started:])
+    assert stats["state_counts"]["SpecSteady"] > 0, stats
+    assert any(any(k == "drafted_input" for k, *_ in s[1]) for s in served), "no step fed from next_input"
+    assert served - warmed == set(), "serving enqueued a signature warm-up did not compile"
+
+
 def with_extras(rng: random.Random, item: WorkItem) -> WorkItem:
     """`item` with penalties, min_p and logprobs (0..5 top tokens), or some of them, or none. No
     logit_bias or min_tokens: their lists' width is part of the shape, warmed only one wide."""

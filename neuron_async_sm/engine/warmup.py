@@ -26,6 +26,7 @@ from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, SAMPLING_INPUT_NAM
 from neuron_async_sm.model.logits_processors import PROCESSING_INPUTS
 from neuron_async_sm.model.logprobs import block_width
 from neuron_async_sm.runtime import TensorSpec, WarmupCall
+from neuron_async_sm.worker.drafts import SPEC_STEP_PROGRAM
 from neuron_async_sm.worker.model_input import SAMPLED_DTYPE, logits_dtype
 from neuron_async_sm.worker.model_runner import (
     LOGITS_PROGRAM,
@@ -56,6 +57,8 @@ def warmup_calls(config: EngineConfig, vocab_size: int, *, grammars: bool = Fals
     is a step's output padded to relay_width rows (RELAY_PAD_PROGRAM, compiled once per output row count
     and output width).
     """
+    if config.speculative_config is not None:
+        return spec_warmup_calls(config)
     if not config.on_device_sampling:
         calls = []
         for shape in warmup_shapes(config):
@@ -105,6 +108,35 @@ def warmup_calls(config: EngineConfig, vocab_size: int, *, grammars: bool = Fals
                         WarmupCall(f"deferred sample {label}", SAMPLE_PROGRAM, {"logits": forward, **sampling}, out)
                     )
     return calls + relay_calls
+
+
+def spec_warmup_calls(config: EngineConfig) -> list[WarmupCall]:
+    """With speculative decoding every step is one `SPEC_STEP_PROGRAM` call of `[rows, prefill bucket]`
+    (the relay is off, and a decode row is a chunk of its last accepted token and its drafts): one
+    call per such shape, and with a device drafter (draft_model) in async mode the same shape fed with
+    its own output (SpecSteady, SpecExit and ReorderRemap of a drafted future: `drafted_input`, which
+    is `[rows, 2(1 + k)]` whatever the step that made it). A fed graph depends on its input's rows
+    alone, which equal the step's. Greedy and sampled rows run one graph on a compiling device
+    (`SpecStepProgram`). Sampling extras are refused with speculation there (config)."""
+    spec = config.speculative_config
+    assert spec is not None
+    fed = config.async_scheduling and spec.method == "draft_model"
+    columns = spec.width * (2 if spec.method == "draft_model" else 1)
+    calls = []
+    for shape in warmup_shapes(config):
+        if len(shape) == 1:  # no spec step is [decode bucket]
+            continue
+        rows = shape[0]
+        inputs = padding_inputs(shape, config.max_num_seqs)  # the scratch slot is max_num_seqs
+        inputs["num_drafts"] = torch.zeros(rows, dtype=torch.int32)
+        out = TensorSpec((rows, columns), SAMPLED_DTYPE)
+        plain = WarmupCall(f"spec {_label(shape)}", SPEC_STEP_PROGRAM, inputs, out)
+        calls.append(plain)
+        if fed:
+            calls.append(
+                WarmupCall(f"spec {_label(shape)} fed", SPEC_STEP_PROGRAM, {**inputs, "drafted_input": plain}, out)
+            )
+    return calls
 
 
 def extras_inputs(rows: int, max_logprobs: int) -> dict[str, torch.Tensor]:

@@ -14,7 +14,8 @@ step's verification accepts with min(1, p/q) and resamples from max(p - q, 0).
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Callable
+
 import torch
 
 from neuron_async_sm.config import ConfigError, SpeculativeConfig
@@ -77,8 +78,16 @@ class Drafter:
         self.program = program
         self.k = num_drafts
         # q of each slot's drafts in flight, float64 [slots, k, vocab]; read by the next verification.
-        # Allocated when a row first samples a draft: all-greedy serving never holds it.
+        # On the host allocated when a row first samples a draft (all-greedy serving never holds it);
+        # on a compiling device at once (ones: a row never sampled reads ones, as below), so the
+        # graph does not change when the first sampled row arrives.
         self.probs: torch.Tensor | None = None
+        if program.device.type != "cpu":
+            self.probs = self._new_probs(torch.ones)
+
+    def _new_probs(self, fill: Callable[..., torch.Tensor]) -> torch.Tensor:
+        shape = (self.program.scratch_slot + 1, self.k, self.program.config.vocab_size)
+        return fill(shape, dtype=torch.float64, device=self.program.device)
 
     def draft_probs(self, slot_ids: torch.Tensor, width: int) -> torch.Tensor:
         """q at each verified position, `[B, width, vocab]`: column c is q of the draft after column c
@@ -93,12 +102,13 @@ class Drafter:
     def draft(
         self,
         *,
-        chunks: np.ndarray,
-        chunk_lens: np.ndarray,
-        start: np.ndarray,
-        slots: np.ndarray,
+        chunks: torch.Tensor,
+        chunk_lens: torch.Tensor,
+        start: torch.Tensor,
+        slots: torch.Tensor,
         last: torch.Tensor,
-        counts: np.ndarray,
+        counts: torch.Tensor,
+        greedy: bool,
         temperature: torch.Tensor,
         top_k: torch.Tensor,
         top_p: torch.Tensor,
@@ -107,43 +117,40 @@ class Drafter:
     ) -> torch.Tensor:
         """Drafts int64 `[B, k]` (-1 past a row's `counts`), after writing the drafter's KV.
 
-        chunks int64 `[B, C]`: row b's accepted tokens this step (chunk_lens[b] of them, at positions
+        chunks `[B, C]`: row b's accepted tokens this step (chunk_lens[b] of them, at positions
         start[b]..), to which `last` `[B]` (the row's new token) is appended; counts `[B]` drafts per
         row (0: the row only writes its chunk's KV; it must leave its positions below max_model_len).
-        first_index `[B]`: the output index of the first draft. Sampling parameters per row, as the target's.
+        first_index `[B]`: the output index of the first draft. Sampling parameters per row, as the
+        target's; greedy: every row is greedy (a host fact: q is then never kept). Every `[B]` value is
+        a device tensor: on a compiling device the k passes always run (one graph per input shape);
+        on the host a pass no row needs is skipped.
         """
-        rows, k, program = chunks.shape[0], self.k, self.program
+        program, k = self.program, self.k
         dev = program.device
+        eager = dev.type == "cpu"  # a host branch on a value costs nothing there
+        rows, width = chunks.shape[0], chunks.shape[1] + 1
         drafting = counts > 0
-        lens = chunk_lens + drafting  # [B] t is appended where the row drafts
-        ids = np.zeros((rows, chunks.shape[1] + 1), dtype=np.int64)  # [B, C + 1]
-        ids[:, : chunks.shape[1]] = chunks
-        last_host = last.cpu().numpy().astype(np.int64)
-        ids[np.flatnonzero(drafting), chunk_lens[drafting]] = last_host[drafting]
-        positions = start[:, None] + np.arange(ids.shape[1])[None, :]  # [B, C + 1]
-        out = torch.full((rows, k), -1, dtype=torch.int64)  # [B, k]
-        greedy = bool((temperature <= 0).all())
-        query = lens
+        query = chunk_lens + drafting.long()  # [B] t is appended where the row drafts
+        cols = torch.arange(width, device=dev).unsqueeze(0)  # [1, C + 1]
+        ids = torch.cat([chunks.to(dev).long(), chunks.new_zeros(rows, 1).to(dev).long()], 1)  # [B, C + 1]
+        ids = torch.where((cols == chunk_lens.unsqueeze(1)) & drafting.unsqueeze(1), last.unsqueeze(1), ids)
+        positions = start.unsqueeze(1) + cols  # [B, C + 1]
+        out = torch.full((rows, k), -1, dtype=torch.int64, device=dev)  # [B, k]
         for j in range(k):
             live = counts > j  # [B] rows that draft a j-th token
             if j:  # one token: the draft before, right after it
-                query = live.astype(np.int64)
-                ids = np.where(live, out[:, j - 1].numpy(), 0)[:, None]
-                positions = np.where(live, start + chunk_lens + j, 0)[:, None]
-            if not query.any():
+                query = live.long()
+                ids = torch.where(live, out[:, j - 1], 0).unsqueeze(1)
+                positions = torch.where(live, start + chunk_lens + j, 0).unsqueeze(1)
+            if eager and not bool(query.any()):
                 break
-            batch = program._prepare(
-                torch.from_numpy(ids),
-                torch.from_numpy(positions),
-                torch.from_numpy(query.astype(np.int32)),
-                torch.from_numpy(np.where(query > 0, slots, program.scratch_slot).astype(np.int32)),
-            )
+            batch = program.batch_of(ids, positions, query, torch.where(query > 0, slots, program.scratch_slot))
             logits = program.model.forward(batch, program.kv_cache)  # [B, vocab] at each row's last token
-            if not live.any():  # the chunks' KV only: no row drafts
+            if eager and not bool(live.any()):  # the chunks' KV only: no row drafts
                 break
-            index = first_index.to(dev).long() + j
+            index = first_index + j
             tokens = self._sample(logits, greedy, j, slots, live, temperature, top_k, top_p, seeds, index)
-            out[:, j] = torch.where(torch.from_numpy(live), tokens.cpu(), -1)
+            out[:, j] = torch.where(live, tokens, -1)
         return out
 
     def _sample(
@@ -151,8 +158,8 @@ class Drafter:
         logits: torch.Tensor,
         greedy: bool,
         j: int,
-        slots: np.ndarray,
-        live: np.ndarray,
+        slots: torch.Tensor,
+        live: torch.Tensor,
         temperature: torch.Tensor,
         top_k: torch.Tensor,
         top_p: torch.Tensor,
@@ -174,8 +181,7 @@ class Drafter:
         tokens = torch.where(is_greedy, argmax, (scaled + gumbel).argmax(dim=-1))
         q = torch.softmax(scaled, dim=-1)
         if self.probs is None:
-            slots_total = self.program.scratch_slot + 1
-            self.probs = torch.zeros(slots_total, self.k, vocab, dtype=torch.float64, device=dev)
-        rows = torch.from_numpy(np.flatnonzero(live)).to(dev)
-        self.probs[torch.from_numpy(slots[live]).long().to(dev), j] = q[rows]
+            self.probs = self._new_probs(torch.zeros)
+        # Rows that draft no j-th token write the scratch slot's (never read for a real row).
+        self.probs[torch.where(live, slots, self.program.scratch_slot), j] = q
         return tokens

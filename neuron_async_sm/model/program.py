@@ -372,6 +372,36 @@ class StepProgram:
             context_len=self.spec.max_model_len if self.fixed_context else int(pos.max()) + 1,
         )
 
+    def batch_of(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: torch.Tensor, slot_ids: torch.Tensor
+    ) -> ForwardBatch | PackedBatch:
+        """A batch of rows computed on the device (`device_batch`'s inputs): an eager program packs them
+        through `_prepare` and its checks (there a device value is a computed one: reading it costs
+        nothing); a compiled one builds the padded batch on the device."""
+        if self.packed:
+            return self._prepare(input_ids.cpu(), positions.cpu(), query_lens.cpu(), slot_ids.cpu())
+        return self.device_batch(input_ids, positions, query_lens, slot_ids)
+
+    def device_batch(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, query_lens: torch.Tensor, slot_ids: torch.Tensor
+    ) -> ForwardBatch:
+        """The padded batch of rows whose ids, positions and lengths may be device values (a spec row fed
+        from the previous call's `next_input`, the drafter's passes): sanitized as `_prepare` does, on the
+        device, with no read-back. Nothing is checked: the caller derived the values from checked ones.
+        input_ids, positions `[B, L]`; query_lens, slot_ids `[B]`."""
+        dev = self.device
+        lens, slots = query_lens.to(dev).long(), slot_ids.to(dev).long()
+        valid = torch.arange(input_ids.shape[1], device=dev).unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
+        pos = torch.where(valid, positions.to(dev).long(), 0)
+        return ForwardBatch(
+            input_ids=torch.where(valid, input_ids.to(dev).long(), 0),
+            positions=pos,
+            write_slots=torch.where(valid, slots.unsqueeze(1), self.scratch_slot),
+            slot_ids=slots,
+            last_index=(lens - 1).clamp(min=0),
+            context_len=self.spec.max_model_len if self.fixed_context else int(pos.max()) + 1,
+        )
+
     @staticmethod
     def _relayed(
         relay_tokens: torch.Tensor | None, relay_rows: torch.Tensor | None, lens: np.ndarray

@@ -122,9 +122,16 @@ def _runs(accept: torch.Tensor, draft: torch.Tensor, last: torch.Tensor, b: int,
     """`[B, W]`: each row's drafts up to its first rejection, then `last` at that position, then -1.
     accept, draft, last: `[B*W]`; last is the token emitted where a row's run ends."""
     accept, draft, last = accept.view(b, width), draft.view(b, width), last.view(b, width)
-    accepted = accept.long().cumprod(dim=1).sum(dim=1, keepdim=True)  # [B, 1] a
+    accepted = leading(accept).unsqueeze(1)  # [B, 1] a
     col = torch.arange(width, device=draft.device).unsqueeze(0)  # [1, W]
     return torch.where(col < accepted, draft, torch.where(col == accepted, last, -1))
+
+
+def leading(mask: torch.Tensor) -> torch.Tensor:
+    """int64 `[B]`: the True values before each row's first False in `mask` bool `[B, W]`. A min, not
+    a cumprod: XLA runs an integer cumprod on the host (a read-back in the middle of the step)."""
+    col = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0)  # [1, W]
+    return torch.where(mask, mask.shape[1], col).amin(dim=1)
 
 
 class SpecStepProgram:
@@ -133,7 +140,8 @@ class SpecStepProgram:
     Inputs: the step program's nine (`model/inputs.py`; input_ids `[B, L]` on the host: the drafts
     come from the host, n-gram) and num_drafts int32 `[B]`, the last num_drafts real tokens of each row
     being drafts. output_index is the output index of the token after each row's first verified
-    token (x0 for a spec row, the last token otherwise). Eager only (config: enforce_eager).
+    token (x0 for a spec row, the last token otherwise). Eager, or on XLA one graph per input shape
+    (no value is read back in a call); not under torch.compile (config: enforce_eager).
 
     With a `drafter` (draft_model) the output is `[B, 2W]`: the `[B, W]` tokens, then `next_input`
     `[B, W]`, the row's last accepted token and the k drafts the drafter proposed after it (-1 past
@@ -158,9 +166,10 @@ class SpecStepProgram:
         self.program = program
         self.width = width  # W = 1 + k
         self.drafter = drafter
-        # [slots] tokens of each KV slot whose KV is valid, as this program computed them (the
-        # device's count; the same on every TP rank, which run the same calls on the same inputs).
-        self.slot_len = np.zeros(program.scratch_slot + 1, dtype=np.int32)
+        # [slots] int64 tokens of each KV slot whose KV is valid, as this program computed them (the
+        # device's count, program state like the KV cache; the same on every TP rank, which run the
+        # same calls on the same inputs).
+        self.slot_len = torch.zeros(program.scratch_slot + 1, dtype=torch.int64, device=program.device)
 
     def __call__(
         self,
@@ -184,26 +193,39 @@ class SpecStepProgram:
         ids = input_ids if input_ids.dim() == 2 else input_ids.unsqueeze(1)  # [B, L]
         pos = positions if positions.dim() == 2 else positions.unsqueeze(1)
         rows, length = ids.shape
-        lens = query_lens.numpy().astype(np.int64)  # [B]
-        drafted = num_drafts.numpy().astype(np.int64)  # [B]
-        if drafted_input is not None:  # SpecSteady / SpecExit: the previous call's next_input, on the device
-            if drafted_rows is not None:  # ReorderRemap on a non-output rank: the rows permuted here
-                drafted_input = drafted_input.index_select(0, drafted_rows.to(drafted_input.device, torch.int64))
-            fed = self._fed(drafted_input, ids, pos, lens, drafted, slot_ids, output_index)
-            ids, pos, lens, drafted, output_index = fed
-            query_lens = torch.from_numpy(lens.astype(np.int32))
-        if (drafted < 0).any() or (drafted >= np.maximum(lens, 1)).any() or drafted.max(initial=0) >= width:
-            raise ValueError(f"num_drafts {drafted.tolist()} must lie in [0, min(query_len, {width}))")
-        first = np.maximum(lens - 1 - drafted, 0)  # [B] column of the first verified token
-        cols = first[:, None] + np.arange(width)[None, :]  # [B, W]
-        real = np.arange(width)[None, :] < drafted[:, None]  # [B, W] a draft follows column c
-        host_ids = ids.numpy().astype(np.int64)
-        draft_ids = np.where(real, host_ids[np.arange(rows)[:, None], np.minimum(cols + 1, length - 1)], -1)
-        at = np.minimum(cols, np.maximum(lens - 1, 0)[:, None])  # [B, W] positions past a row's end: its last
-        columns = width * (1 if self.drafter is None else 2)  # the tokens (draft_model: then next_input)
+        host_lens = query_lens.numpy().astype(np.int64)  # [B]
+        host_drafted = num_drafts.numpy().astype(np.int64)  # [B]
+        if (
+            (host_drafted < 0).any()
+            or (host_drafted >= np.maximum(host_lens, 1)).any()
+            or host_drafted.max(initial=0) >= width
+        ):
+            raise ValueError(f"num_drafts {host_drafted.tolist()} must lie in [0, min(query_len, {width}))")
+        dev = program.device
+        # Every per-row value below is a tensor on the device: on a lazy device (XLA) a fed row's
+        # lengths and positions are values of the previous call, and reading one back would block
+        # the step (and make its shape a per-step value). One graph per input shape.
+        lens = torch.from_numpy(host_lens).to(dev)  # [B]
+        drafted = torch.from_numpy(host_drafted).to(dev)  # [B]
         with program._no_autograd():
-            batch = program._prepare(ids, pos, query_lens, slot_ids)
-            dev = program.device
+            if drafted_input is not None:  # SpecSteady / SpecExit: the previous call's next_input, on the device
+                if drafted_rows is not None:  # ReorderRemap on a non-output rank: the rows permuted here
+                    drafted_input = drafted_input.index_select(0, drafted_rows.to(drafted_input.device, torch.int64))
+                ids, pos, lens, drafted, output_index = self._fed(
+                    drafted_input, ids, pos, lens, drafted, slot_ids, output_index
+                )
+                batch = program.batch_of(ids, pos, lens, slot_ids)
+            else:
+                batch = program._prepare(ids, pos, query_lens, slot_ids)
+                ids, pos = ids.to(dev).long(), pos.to(dev).long()
+            first = (lens - 1 - drafted).clamp(min=0)  # [B] column of the first verified token
+            span = torch.arange(width, device=dev).unsqueeze(0)  # [1, W]
+            cols = first.unsqueeze(1) + span  # [B, W]
+            real = span < drafted.unsqueeze(1)  # [B, W] a draft follows column c
+            draft_ids = torch.where(real, ids.gather(1, (cols + 1).clamp(max=length - 1)), -1)  # [B, W]
+            # [B, W] the position each verified token's logits come from (past a row's end: its last)
+            at = torch.minimum(cols, (lens - 1).clamp(min=0).unsqueeze(1))
+            columns = width * (1 if self.drafter is None else 2)  # the tokens (draft_model: then next_input)
             processed = program._processing_inputs(processing)
             parts = parts_used(processing) if processed is not None else frozenset()
             if parts & READS_HISTORY:  # the drafts too: a later position counts those before it
@@ -212,19 +234,19 @@ class SpecStepProgram:
                 if batch.input_ids.numel() == 0:  # all padding: nothing ran (nor drafted: next_input -1 too)
                     empty = torch.full((rows, columns), -1, dtype=torch.int32)
                     return self._with_logprobs(empty, None, None, sample_logprobs, prompt_logprobs, length)
-                starts = np.cumsum(lens) - lens
+                starts = torch.cumsum(lens, 0) - lens
                 hidden = program.model.hidden_states(batch, program.kv_cache)  # [N, hidden]
-                picked = hidden[torch.from_numpy(np.where(lens[:, None] > 0, starts[:, None] + at, 0)).to(dev)]
+                picked = hidden[torch.where(lens.unsqueeze(1) > 0, starts.unsqueeze(1) + at, 0)]
             else:
                 hidden = program.model.hidden_states(batch, program.kv_cache)  # [B, L, hidden]
-                picked = hidden[torch.arange(rows, device=dev).unsqueeze(1), torch.from_numpy(at).to(dev)]
+                picked = hidden[torch.arange(rows, device=dev).unsqueeze(1), at]
             logits = raw = program.model.logits_of(picked)  # [B, W, vocab]; raw: what logprobs are of
             prompt_block = None
             if prompt_logprobs is not None:  # every token's logits (packed [N, vocab], or [B, L, vocab])
                 every = program.model.logits_of(hidden)
                 prompt_block = program._prompt_block(raw, every, query_lens, prompt_logprobs, prompt_targets)
             if processed is not None:
-                first_pos = pos.numpy()[np.arange(rows), np.minimum(first, length - 1)].astype(np.int64)  # [B]
+                first_pos = pos.gather(1, first.clamp(max=length - 1).unsqueeze(1)).squeeze(1)  # [B]
                 logits = self._process(logits, processed, parts, slot_ids, first_pos, lens, output_index)
             if token_bitmask is not None:  # int32 [B, W, words]: row c constrains the token sampled at position c
                 flat = apply_token_bitmask(logits.reshape(rows * width, -1), token_bitmask.reshape(rows * width, -1))
@@ -235,31 +257,33 @@ class SpecStepProgram:
                 top_p=top_p.to(dev),
                 seeds=seeds.to(dev),
             )
-            greedy = bool((temperature <= 0).all())
+            # The all-greedy shortcuts are host-only (a host value; elsewhere both paths, one graph).
+            greedy = dev.type == "cpu" and bool((temperature <= 0).all())
             drafter = self.drafter
             # q of the drafts being verified, read before this step's drafting overwrites it.
             q = None if drafter is None or greedy else drafter.draft_probs(slot_ids, width)
             out = rejection_sample(
                 logits,
-                torch.from_numpy(draft_ids).to(dev),
+                draft_ids,
                 output_index=output_index.to(dev),
                 min_p=processed["min_p"] if "min_p" in parts else None,
                 draft_probs=q,
                 **sampling,
             )
-            out = out.masked_fill(torch.from_numpy(lens == 0).to(dev).unsqueeze(1), -1).to(torch.int32)
-            host_out = out.cpu().numpy().astype(np.int64)  # eager program: the tokens are computed values
-            accepted = np.maximum((host_out >= 0).sum(axis=1) - 1, 0)  # [B] a
+            out = out.masked_fill((lens == 0).unsqueeze(1), -1).to(torch.int32)
+            accepted = ((out >= 0).sum(dim=1) - 1).clamp(min=0)  # [B] a
             # The slot's KV is valid up to the run's new token, which the next row computes on first.
-            chunk_lens = np.where(lens > 0, lens - drafted + accepted, 0)  # [B] prompt chunk, or x0 + accepted drafts
-            start = pos.numpy()[:, 0].astype(np.int64)  # [B] the row's first position
-            real = lens > 0
-            self.slot_len[slot_ids.numpy()[real]] = (start + chunk_lens)[real]
+            chunk_lens = torch.where(lens > 0, lens - drafted + accepted, 0)  # [B] a chunk, or x0 + accepted
+            start = pos[:, 0]  # [B] the row's first position
+            # Hazard: stale positions. A padding row may name a real slot; its write goes to the scratch
+            # slot, never over that slot's count (the next fed row of the slot starts there).
+            slots = torch.where(lens > 0, slot_ids.to(dev).long(), program.scratch_slot)
+            self.slot_len[slots] = start + chunk_lens
             if drafter is not None:
                 drafts = self._draft(
-                    drafter, host_out, accepted, chunk_lens, start, host_ids, lens, slot_ids, output_index, sampling
+                    drafter, out, accepted, chunk_lens, start, ids, lens, slot_ids, output_index, greedy, sampling
                 )
-                out = torch.cat([out, drafts.to(out.device)], 1)
+                out = torch.cat([out, drafts], 1)
             return self._with_logprobs(out, raw, prompt_block, sample_logprobs, prompt_logprobs, length)
 
     def _with_logprobs(
@@ -299,48 +323,42 @@ class SpecStepProgram:
         drafted_input: torch.Tensor,
         ids: torch.Tensor,
         pos: torch.Tensor,
-        lens: np.ndarray,
-        drafted: np.ndarray,
+        lens: torch.Tensor,
+        drafted: torch.Tensor,
         slot_ids: torch.Tensor,
         output_index: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray, torch.Tensor]:
-        """The inputs of rows fed from the previous call's `next_input` (every real row): ids, positions,
-        lengths and drafts from the device's values, output indices moved to the device's positions."""
-        width = self.width
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The inputs of rows fed from the previous call's `next_input` (every real row), on the device:
+        ids, positions, lengths and drafts from the device's values, output indices moved to the
+        device's positions. Nothing is read back (on a lazy device that would block the step)."""
+        width, dev = self.width, self.program.device
         rows, length = ids.shape
-        future = drafted_input.cpu().numpy().astype(np.int64)  # eager program: a computed value
         # The previous call's output: tokens, next_input, then logprobs' bits when it had them (unread here).
-        if future.shape[0] != rows or future.shape[1] < 2 * width:
-            raise ValueError(f"drafted_input {future.shape} must be [{rows}, >= {2 * width}]: the previous output")
+        if drafted_input.shape[0] != rows or drafted_input.dim() != 2 or drafted_input.shape[1] < 2 * width:
+            raise ValueError(
+                f"drafted_input {tuple(drafted_input.shape)} must be [{rows}, >= {2 * width}]: the previous output"
+            )
         # Hazard: a draft as input (the production runner's garbage tokens at the spec -> non-spec switch).
         # Column 0 is each row's last accepted token, the drafts follow it: a row with no drafts (SpecExit)
         # reads column 0 alone, never column k (the last draft) nor the tokens' -1 (NextInputInv).
-        next_input = future[:, width : 2 * width]  # [B, W]
+        next_input = drafted_input.to(dev)[:, width : 2 * width].long()  # [B, W]
         real = lens > 0
-        if (next_input[real, 0] < 0).any():
+        if dev.type == "cpu" and bool((next_input[real, 0] < 0).any()):  # a host check costs no sync
             raise ValueError(f"drafted_input: a fed row has no last accepted token ({next_input[:, 0].tolist()})")
-        proposed = np.cumprod(next_input[:, 1:] >= 0, axis=1).sum(axis=1)  # [B] drafts the previous call made
-        drafted = np.where(real, np.minimum(drafted, proposed), 0)
-        lens = np.where(real, 1 + drafted, 0)
-        if lens.max(initial=0) > length:
-            raise ValueError(f"drafted_input: rows of {lens.tolist()} tokens in input_ids of {length}")
-        cols = np.arange(length)[None, :]  # [1, L]
-        fed_ids = np.zeros((rows, length), dtype=np.int64)
-        span = min(width, length)
-        fed_ids[:, :span] = np.where(cols[:, :span] < lens[:, None], next_input[:, :span], 0)
+        proposed = leading(next_input[:, 1:] >= 0)  # [B] drafts the previous call made
+        drafted = torch.where(real, torch.minimum(drafted, proposed), 0)
+        lens = torch.where(real, 1 + drafted, 0)
+        cols = torch.arange(length, device=dev).unsqueeze(0)  # [1, L]
+        span = min(width, length)  # a row has at most 1 + num_drafts <= its host length <= L tokens
+        padded = torch.cat([next_input[:, :span], next_input.new_zeros(rows, length - span)], 1)  # [B, L]
+        fed_ids = torch.where(cols < lens.unsqueeze(1), padded, 0)
         # Hazard: optimistic positions. The host's assume every draft in flight accepted; the slot's
         # device count is the truth, and the output index moves with the position.
-        start = np.where(real, self.slot_len[slot_ids.numpy()].astype(np.int64), 0)  # [B]
-        host_start = pos.numpy()[:, 0].astype(np.int64)
-        index = output_index.numpy().astype(np.int64) + np.where(real, start - host_start, 0)
-        fed_pos = np.where(cols < lens[:, None], start[:, None] + cols, 0)
-        return (
-            torch.from_numpy(fed_ids.astype(np.int32)),
-            torch.from_numpy(fed_pos.astype(np.int32)),
-            lens,
-            drafted,
-            torch.from_numpy(index),
-        )
+        start = torch.where(real, self.slot_len[slot_ids.to(dev).long()], 0)  # [B]
+        host_start = pos[:, 0].to(dev).long()
+        index = output_index.to(dev).long() + torch.where(real, start - host_start, 0)
+        fed_pos = torch.where(cols < lens.unsqueeze(1), start.unsqueeze(1) + cols, 0)
+        return fed_ids, fed_pos, lens, drafted, index
 
     def _process(
         self,
@@ -348,8 +366,8 @@ class SpecStepProgram:
         processed: dict[str, torch.Tensor],
         parts: frozenset[str],
         slot_ids: torch.Tensor,
-        first_pos: np.ndarray,
-        lens: np.ndarray,
+        first_pos: torch.Tensor,
+        lens: torch.Tensor,
         output_index: torch.Tensor,
     ) -> torch.Tensor:
         """Logits `[B, W, vocab]` after min_tokens, logit_bias and the penalties, each verified position
@@ -360,12 +378,15 @@ class SpecStepProgram:
         program, width = self.program, self.width
         rows, _, vocab = logits.shape
         dev = program.device
+        # The history's width is a value: host numbers (a device sync on a lazy device, where config
+        # refuses logits processing with speculation).
+        first_pos, lens = first_pos.cpu().numpy(), lens.cpu().numpy()
         cols = np.arange(width)[None, :]
         counts = np.where(lens[:, None] > 0, first_pos[:, None] + 1 + cols, 0).reshape(-1)  # [B*W]
         counts = np.minimum(counts, program.spec.max_model_len)  # columns past a row's drafts are unread
         slots = torch.from_numpy(slot_ids.numpy().astype(np.int64)).repeat_interleave(width).to(dev)  # [B*W]
         history = program.history.rows(slots, max(int(counts.max()), 1))  # [B*W, T]
-        index = (output_index.long().unsqueeze(1) + torch.arange(width)).reshape(-1).to(dev)  # [B*W]
+        index = (output_index.to(dev).long().unsqueeze(1) + torch.arange(width, device=dev)).reshape(-1)  # [B*W]
         expanded = {name: value.repeat_interleave(width, dim=0) for name, value in processed.items()}
         flat = process_logits(
             logits.reshape(rows * width, vocab), expanded, history, torch.from_numpy(counts).to(dev), index, parts
@@ -375,31 +396,34 @@ class SpecStepProgram:
     def _draft(
         self,
         drafter: Drafter,
-        host_out: np.ndarray,
-        accepted: np.ndarray,
-        chunk_lens: np.ndarray,
-        start: np.ndarray,
-        host_ids: np.ndarray,
-        lens: np.ndarray,
+        out: torch.Tensor,
+        accepted: torch.Tensor,
+        chunk_lens: torch.Tensor,
+        start: torch.Tensor,
+        ids: torch.Tensor,
+        lens: torch.Tensor,
         slot_ids: torch.Tensor,
         output_index: torch.Tensor,
+        greedy: bool,
         sampling: dict[str, torch.Tensor],
     ) -> torch.Tensor:
         """next_input int32 `[B, W]`: the drafter over each row's accepted tokens, then its drafts.
-        host_out `[B, W]`: the rows' runs; accepted, chunk_lens, start `[B]`: as `__call__` has them."""
-        rows, width = host_out.shape
-        last = torch.from_numpy(host_out[np.arange(rows), accepted])  # [B] the run's last token
+        out `[B, W]`: the rows' runs; ids `[B, L]`: the rows' tokens; accepted, chunk_lens, start, lens
+        `[B]`: as `__call__` has them, on the device. greedy: every row greedy (a host fact)."""
+        width, dev = self.width, self.program.device
+        last = out.gather(1, accepted.unsqueeze(1)).squeeze(1).long()  # [B] the run's last token
         room = self.program.spec.max_model_len - (start + chunk_lens)  # positions left from the new token's
-        counts = np.where(lens > 0, np.clip(room, 0, width - 1), 0)  # [B] drafts per row
+        counts = torch.where(lens > 0, room.clamp(0, width - 1), 0)  # [B] drafts per row
         drafts = drafter.draft(
-            chunks=host_ids,
+            chunks=ids,
             chunk_lens=chunk_lens,
             start=start,
-            slots=slot_ids.numpy().astype(np.int64),
+            slots=slot_ids.to(dev).long(),
             last=last,
             counts=counts,
-            first_index=output_index.long() + torch.from_numpy(accepted) + 1,
+            first_index=output_index.to(dev).long() + accepted + 1,
+            greedy=greedy,
             **sampling,
         )
-        next_input = torch.cat([last.masked_fill(torch.from_numpy(lens == 0), -1).unsqueeze(1), drafts], 1)
+        next_input = torch.cat([last.masked_fill(lens == 0, -1).unsqueeze(1), drafts], 1)
         return next_input.to(torch.int32)

@@ -1,0 +1,101 @@
+"""Speculative decoding on XLA (docs/backends.md, "Speculative decoding on a compiling device"): greedy
+tokens with speculation equal the CPU device's without it (n-gram and draft_model), seeded async equals
+sync, and nothing compiles after warm-up (the spec step is one graph per input shape, fed or not).
+
+XLA only: the other backends run the same program eagerly in tests/test_spec_*.py. Few shapes (one
+prefill bucket, two rows at most), so warm-up compiles 2 graphs for n-gram and 4 for draft_model; the
+engines of a method share them (one process compiles each graph once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import random
+
+import pytest
+from support.workloads import assert_matches, drive, greedy, random_workload
+
+from neuron_async_sm import LLM
+from neuron_async_sm.bench.checkpoint import MICRO_LLAMA_CONFIG, write_checkpoint, write_noisy_copy
+
+SHAPES = dict(
+    dtype="float64",
+    max_num_seqs=2,
+    max_model_len=64,
+    max_num_batched_tokens=16,  # longer prompts are chunked
+    prefill_buckets=(16,),
+    decode_buckets=(1, 2),
+    sampling_extras=False,  # refused with speculation on xla
+)
+K = 2
+HAS_XLA = importlib.util.find_spec("torch_xla") is not None
+REQUIRE_XLA = os.environ.get("NEURON_ASYNC_SM_REQUIRE_XLA", "") == "1"  # the XLA lane: a missing torch_xla fails
+
+
+@pytest.fixture(scope="module")
+def xla() -> str:
+    if not HAS_XLA:
+        if REQUIRE_XLA:
+            pytest.fail("NEURON_ASYNC_SM_REQUIRE_XLA=1 but torch_xla is not importable (run .ci/xla-lane)")
+        pytest.skip("torch_xla is not installed")
+    return "xla"
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    # One layer (each layer is compile time on XLA); repetitive output (the layer scaled down): n-gram
+    # and the draft find drafts the target accepts.
+    return str(write_checkpoint(tmp_path_factory.mktemp("target"), MICRO_LLAMA_CONFIG, layer_scale=0.02))
+
+
+@pytest.fixture(scope="module")
+def close_draft(target, tmp_path_factory) -> str:
+    return str(write_noisy_copy(target, tmp_path_factory.mktemp("close"), 0.01))
+
+
+def churn(seed: int) -> list:
+    """A small churny workload: requests arriving and finishing at different steps, some chunked."""
+    rng = random.Random(seed)
+    items = random_workload(rng, f"s{seed}", vocab=MICRO_LLAMA_CONFIG.vocab_size, max_prompt=24)[:5]
+    # Long enough for the target's output to repeat itself (n-gram's drafts), within max_model_len.
+    lengths = [dataclasses.replace(w.params, max_tokens=rng.randint(20, 36)) for w in items]
+    return [dataclasses.replace(w, params=p, abort_turn=None) for w, p in zip(items, lengths, strict=True)]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_speculation_on_xla_gives_the_cpu_tokens_without_it(xla, target, close_draft, method):
+    items = greedy(churn(11))
+    with LLM(target, device="cpu-inprocess", async_scheduling=False, **SHAPES) as cpu:
+        reference = drive(cpu, items, aborts=False)
+    spec = {"method": method, "num_speculative_tokens": K}
+    if method == "draft_model":
+        spec["model"] = close_draft
+    with LLM(target, device=xla, speculative_config=spec, **SHAPES) as llm:
+        got = drive(llm, items, aborts=False)
+        stats = llm.stats()
+    assert_matches(got, reference, items)
+    assert stats["spec_decode"]["num_accepted_tokens"] > 0, stats
+    if method == "draft_model":  # the device's rows: next_input fed on the device, at slot_len
+        assert stats["state_counts"]["SpecSteady"] > 0, stats
+    assert stats["compilations"] == 0, "a program was compiled while serving: warm-up missed a graph"
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_seeded_speculation_on_xla_gives_async_the_tokens_sync_gives(xla, target, close_draft, method):
+    items = churn(12)
+    assert any(w.params.temperature > 0 and w.params.seed is not None for w in items)
+    items = [w for w in items if w.params.temperature == 0 or w.params.seed is not None]  # reproducible only
+    spec = {"method": method, "num_speculative_tokens": K}
+    if method == "draft_model":
+        spec["model"] = close_draft
+    results, counts = [], []
+    for async_scheduling in (False, True):
+        with LLM(target, device=xla, speculative_config=spec, async_scheduling=async_scheduling, **SHAPES) as llm:
+            results.append(drive(llm, items, aborts=False))
+            counts.append(llm.stats())
+    assert_matches(results[1], results[0], items)
+    steady = "SpecSteady" if method == "draft_model" else "HostDraftBreak"  # n-gram drafts from the host
+    assert counts[1]["state_counts"][steady] > 0, counts[1]
+    assert [c["compilations"] for c in counts] == [0, 0], "compiled while serving: warm-up missed a graph"
