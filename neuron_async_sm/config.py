@@ -335,13 +335,6 @@ def _speculation(config: EngineConfig) -> None:
         raise ConfigError(
             "speculative_config: the verification program is not compiled with torch.compile (enforce_eager) for now"
         )
-    if config.device == "xla" and config.sampling_extras:
-        # Logits processing reads a history as wide as the step's longest row, a per-step value on the
-        # device; each width would be a graph of its own. Not built for speculation on a compiling device.
-        raise ConfigError(
-            "speculative_config: on device 'xla' speculation takes no sampling extras (penalties, logit_bias, "
-            "min_tokens, min_p, logprobs); pass --no-sampling-extras (sampling_extras=False)"
-        )
 
 
 def _positive(name: str, value: int) -> None:

@@ -38,7 +38,6 @@ BAD_CONFIGS = [
     (dict(device_time_ms=-1.0), "device_time_ms", ">= 0"),
     (dict(device_time_ms="1"), "device_time_ms", "number"),
     (dict(sampling_extras="no"), "sampling_extras", "True or False"),
-    (dict(device="xla", speculative_config={"method": "ngram"}), "speculative_config", "--no-sampling-extras"),
     (dict(enforce_eager=False, speculative_config={"method": "ngram"}), "speculative_config", "enforce_eager"),
 ]
 
@@ -53,8 +52,8 @@ def test_bad_engine_config_names_the_field(fields, field, hint):
     assert message.startswith(f"{field}:") and hint in message
 
 
-def test_speculation_is_taken_on_xla_without_sampling_extras():
-    config = EngineConfig(device="xla", sampling_extras=False, speculative_config={"method": "ngram"})
+def test_speculation_is_taken_on_xla():
+    config = EngineConfig(device="xla", speculative_config={"method": "ngram"})
     assert config.speculative_config is not None and config.speculative_config.method == "ngram"
 
 

@@ -104,19 +104,23 @@ def test_serving_with_the_relay_enqueues_no_signature_warm_up_did_not():
 
 def test_speculation_enqueues_no_signature_warm_up_did_not():
     """Every spec step (prompt chunks, rows verifying drafts, rows fed from next_input: SpecSteady,
-    SpecExit, ReorderRemap) is a spec program call warm-up ran, on every row count and bucket."""
+    SpecExit, ReorderRemap; with sampling extras and without) is a spec program call warm-up ran, on
+    every row count and bucket."""
     log = SignatureLog()
-    items = random_workload(random.Random(29), "w", max_prompt=40)
+    rng = random.Random(29)
+    items = [with_extras(rng, i) if rng.random() < 0.5 else i for i in random_workload(rng, "w", max_prompt=40)]
     spec = {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens": 2}  # the target drafts
-    plain = dict(SHAPES, sampling_extras=False, speculative_config=spec)
-    with LLM("tiny-llama", device="accelerator", async_scheduling=True, runtime_factory=log, **plain) as llm:
+    config = dict(SHAPES, speculative_config=spec)
+    with LLM("tiny-llama", device="accelerator", async_scheduling=True, runtime_factory=log, **config) as llm:
         warmed = set(log.calls)
         started = len(log.calls)
         drive(llm, items, aborts=True)
         stats = llm.stats()
     served = set(log.calls[started:])
     assert stats["state_counts"]["SpecSteady"] > 0, stats
-    assert any(any(k == "drafted_input" for k, *_ in s[1]) for s in served), "no step fed from next_input"
+    fed = [s for s in served if any(k == "drafted_input" for k, *_ in s[1])]
+    assert any(any(k == "sample_logprobs" for k, *_ in s[1]) for s in fed), "no fed step with extras"
+    assert any(all(k != "sample_logprobs" for k, *_ in s[1]) for s in fed), "no fed step without extras"
     assert served - warmed == set(), "serving enqueued a signature warm-up did not compile"
 
 

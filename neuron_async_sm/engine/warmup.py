@@ -115,27 +115,32 @@ def spec_warmup_calls(config: EngineConfig) -> list[WarmupCall]:
     (the relay is off, and a decode row is a chunk of its last accepted token and its drafts): one
     call per such shape, and with a device drafter (draft_model) in async mode the same shape fed with
     its own output (SpecSteady, SpecExit and ReorderRemap of a drafted future: `drafted_input`, which
-    is `[rows, 2(1 + k)]` whatever the step that made it). A fed graph depends on its input's rows
-    alone, which equal the step's. Greedy and sampled rows run one graph on a compiling device
-    (`SpecStepProgram`). Sampling extras are refused with speculation there (config)."""
+    is `[rows, 2(1 + k)]` whatever the step that made it, plus the logprobs' bits with extras). A fed
+    graph depends on its input's rows alone, which equal the step's. Greedy and sampled rows run one
+    graph on a compiling device (`SpecStepProgram`). With `config.sampling_extras` each call runs once
+    more with the extras' inputs (a fed step has the same rows as the step that fed it, so the same
+    variant). Not warmed: structured output's mask (n-gram)."""
     spec = config.speculative_config
     assert spec is not None
     fed = config.async_scheduling and spec.method == "draft_model"
     columns = spec.width * (2 if spec.method == "draft_model" else 1)
     calls = []
-    for shape in warmup_shapes(config):
-        if len(shape) == 1:  # no spec step is [decode bucket]
-            continue
-        rows = shape[0]
-        inputs = padding_inputs(shape, config.max_num_seqs)  # the scratch slot is max_num_seqs
-        inputs["num_drafts"] = torch.zeros(rows, dtype=torch.int32)
-        out = TensorSpec((rows, columns), SAMPLED_DTYPE)
-        plain = WarmupCall(f"spec {_label(shape)}", SPEC_STEP_PROGRAM, inputs, out)
-        calls.append(plain)
-        if fed:
-            calls.append(
-                WarmupCall(f"spec {_label(shape)} fed", SPEC_STEP_PROGRAM, {**inputs, "drafted_input": plain}, out)
-            )
+    for extras in (False, True) if config.sampling_extras else (False,):
+        for shape in warmup_shapes(config):
+            if len(shape) == 1:  # no spec step is [decode bucket]
+                continue
+            rows = shape[0]
+            inputs = padding_inputs(shape, config.max_num_seqs)  # the scratch slot is max_num_seqs
+            inputs["num_drafts"] = torch.zeros(rows, dtype=torch.int32)
+            width, label = columns, f"spec {_label(shape)}"
+            if extras:  # then a logprobs block per verified position
+                inputs.update(extras_inputs(rows, config.max_logprobs))
+                width, label = columns + spec.width * block_width(config.max_logprobs), f"{label} with sampling extras"
+            out = TensorSpec((rows, width), SAMPLED_DTYPE)
+            plain = WarmupCall(label, SPEC_STEP_PROGRAM, inputs, out)
+            calls.append(plain)
+            if fed:
+                calls.append(WarmupCall(f"{label} fed", SPEC_STEP_PROGRAM, {**inputs, "drafted_input": plain}, out))
     return calls
 
 

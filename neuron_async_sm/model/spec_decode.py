@@ -38,7 +38,7 @@ import torch
 from neuron_async_sm.model.drafter import Drafter
 from neuron_async_sm.model.grammar_mask import apply_token_bitmask
 from neuron_async_sm.model.inputs import SamplingInputs
-from neuron_async_sm.model.logits_processors import READS_HISTORY, parts_used, process_logits
+from neuron_async_sm.model.logits_processors import PARTS, READS_HISTORY, parts_used, process_logits
 from neuron_async_sm.model.logprobs import block_width, pack_output, position_logprobs
 from neuron_async_sm.model.packed import PackedBatch
 from neuron_async_sm.model.program import StepProgram
@@ -227,7 +227,9 @@ class SpecStepProgram:
             at = torch.minimum(cols, (lens - 1).clamp(min=0).unsqueeze(1))
             columns = width * (1 if self.drafter is None else 2)  # the tokens (draft_model: then next_input)
             processed = program._processing_inputs(processing)
-            parts = parts_used(processing) if processed is not None else frozenset()
+            # The parts some row uses (host values) on an eager device; all of them on a compiling one,
+            # one graph whatever the rows ask for (neutral for the others), as the step program does.
+            parts = frozenset() if processed is None else parts_used(processing) if program.packed else PARTS
             if parts & READS_HISTORY:  # the drafts too: a later position counts those before it
                 program._write_history(batch)
             if isinstance(batch, PackedBatch):
@@ -378,19 +380,17 @@ class SpecStepProgram:
         program, width = self.program, self.width
         rows, _, vocab = logits.shape
         dev = program.device
-        # The history's width is a value: host numbers (a device sync on a lazy device, where config
-        # refuses logits processing with speculation).
-        first_pos, lens = first_pos.cpu().numpy(), lens.cpu().numpy()
-        cols = np.arange(width)[None, :]
-        counts = np.where(lens[:, None] > 0, first_pos[:, None] + 1 + cols, 0).reshape(-1)  # [B*W]
-        counts = np.minimum(counts, program.spec.max_model_len)  # columns past a row's drafts are unread
+        cols = torch.arange(width, device=dev).unsqueeze(0)  # [1, W]
+        counts = torch.where(lens.unsqueeze(1) > 0, first_pos.unsqueeze(1) + 1 + cols, 0).reshape(-1)  # [B*W]
+        counts = counts.clamp(max=program.spec.max_model_len)  # columns past a row's drafts are unread
         slots = torch.from_numpy(slot_ids.numpy().astype(np.int64)).repeat_interleave(width).to(dev)  # [B*W]
-        history = program.history.rows(slots, max(int(counts.max()), 1))  # [B*W, T]
+        # The history's width: the step's longest count on the host (a computed value there); the whole
+        # history on a compiling device, where the width would be a per-step value (a graph each).
+        length = max(int(counts.max()), 1) if program.packed else program.spec.max_model_len
+        history = program.history.rows(slots, length)  # [B*W, T]
         index = (output_index.to(dev).long().unsqueeze(1) + torch.arange(width, device=dev)).reshape(-1)  # [B*W]
         expanded = {name: value.repeat_interleave(width, dim=0) for name, value in processed.items()}
-        flat = process_logits(
-            logits.reshape(rows * width, vocab), expanded, history, torch.from_numpy(counts).to(dev), index, parts
-        )
+        flat = process_logits(logits.reshape(rows * width, vocab), expanded, history, counts, index, parts)
         return flat.reshape(rows, width, vocab)
 
     def _draft(

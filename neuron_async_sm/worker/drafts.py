@@ -63,6 +63,7 @@ def build_spec_model_input(
     drafted: DraftedRows | None = None,
     *,
     fed: bool = False,
+    one_extras_variant: bool = False,
 ) -> tuple[ModelInput, DraftedRows]:
     """The spec step's inputs (`[B, L]`, every row a chunk: prompt chunks, and decode rows of their last
     accepted token and its drafts), with `num_drafts` `[B]`; and its decode rows' starts and drafts.
@@ -76,6 +77,7 @@ def build_spec_model_input(
     host, and the spec program takes each decode row's ids from its `next_input` and its positions
     from the device's count (`SpecStepProgram`, `drafted_input`). The host builds the rows' shape
     alone: the scheduler's counts and positions (optimistic), placeholder ids; every rank the same.
+    `one_extras_variant`: as `build_model_input` takes it (a device that compiles per shape).
     """
     spec = config.speculative_config
     assert spec is not None
@@ -108,7 +110,7 @@ def build_spec_model_input(
         scheduled, num_scheduled_tokens=counts, num_computed_tokens=computed, all_decode=False
     )
     rows = dataclasses.replace(rows, shape=padded_input_shape(config, corrected))
-    model_input = build_model_input(config, corrected, batch, rows)
+    model_input = build_model_input(config, corrected, batch, rows, one_extras_variant=one_extras_variant)
     ids, output_index = model_input.tensor("input_ids"), model_input.tensor("output_index")  # [B, L], [B]
     num_drafts = torch.zeros(model_input.num_rows, dtype=torch.int32)  # [B]
     positions = list(model_input.sample_positions)

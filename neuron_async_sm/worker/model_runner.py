@@ -179,7 +179,13 @@ class ModelRunner:
                 assert (drafted is None) == self.is_output_rank, "drafts come from the output rank alone"
                 on_device = self._reads_next_input(plan.input_source)  # the device places these rows (slot_len)
                 model_input, self.drafted = build_spec_model_input(
-                    self.config, scheduled, self.batch, rows, drafted, fed=on_device
+                    self.config,
+                    scheduled,
+                    self.batch,
+                    rows,
+                    drafted,
+                    fed=on_device,
+                    one_extras_variant=self.runtime.compiles_per_shape,
                 )
                 # On the device's rows, the drafts the scheduler reserved (the drafter proposes as many
                 # unless max_model_len is near, where the scheduler has turned speculation off).

@@ -1,6 +1,7 @@
 """Speculative decoding on XLA (docs/backends.md, "Speculative decoding on a compiling device"): greedy
 tokens with speculation equal the CPU device's without it (n-gram and draft_model), seeded async equals
-sync, and nothing compiles after warm-up (the spec step is one graph per input shape, fed or not).
+sync, sampling extras under speculation give the CPU device's tokens and logprobs, and nothing
+compiles after warm-up (the spec step is one graph per input shape and variant, fed or not).
 
 XLA only: the other backends run the same program eagerly in tests/test_spec_*.py. Few shapes (one
 prefill bucket, two rows at most), so warm-up compiles 2 graphs for n-gram and 4 for draft_model; the
@@ -17,7 +18,7 @@ import random
 import pytest
 from support.workloads import assert_matches, drive, greedy, random_workload
 
-from neuron_async_sm import LLM
+from neuron_async_sm import LLM, PromptRequest, SamplingParams
 from neuron_async_sm.bench.checkpoint import MICRO_LLAMA_CONFIG, write_checkpoint, write_noisy_copy
 
 SHAPES = dict(
@@ -27,7 +28,7 @@ SHAPES = dict(
     max_num_batched_tokens=16,  # longer prompts are chunked
     prefill_buckets=(16,),
     decode_buckets=(1, 2),
-    sampling_extras=False,  # refused with speculation on xla
+    sampling_extras=False,  # their variants would double the graphs; one test takes them
 )
 K = 2
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
@@ -99,3 +100,28 @@ def test_seeded_speculation_on_xla_gives_async_the_tokens_sync_gives(xla, target
     steady = "SpecSteady" if method == "draft_model" else "HostDraftBreak"  # n-gram drafts from the host
     assert counts[1]["state_counts"][steady] > 0, counts[1]
     assert [c["compilations"] for c in counts] == [0, 0], "compiled while serving: warm-up missed a graph"
+
+
+def test_speculation_with_penalties_and_logprobs_on_xla_gives_the_cpu_tokens_and_logprobs(xla, target, close_draft):
+    """Sampling extras under speculation: warm-up compiles their variant of every spec call (fed ones
+    too), so serving compiles nothing; tokens and logprobs are the CPU device's without speculation."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True, presence_penalty=1.5, repetition_penalty=1.3, logprobs=3)
+    requests = [PromptRequest([5 + i, 6, 7, 8, 9, 5, 6, 7], params, f"penalized{i}") for i in range(2)]
+    shapes = {**SHAPES, "sampling_extras": True}
+    with LLM(target, device="cpu-inprocess", async_scheduling=False, **shapes) as cpu:
+        references = cpu.generate(requests)
+    spec = {"method": "draft_model", "model": close_draft, "num_speculative_tokens": K}
+    with LLM(target, device=xla, speculative_config=spec, **shapes) as llm:
+        warmed = llm.engine.runtime.warmup_report
+        outputs = llm.generate(requests)
+        stats = llm.stats()
+    assert sum(r.compilations for r in warmed if "sampling extras" in r.label) > 0, warmed
+    assert stats["compilations"] == 0, "a program was compiled while serving: warm-up missed a graph"
+    assert stats["state_counts"]["SpecSteady"] > 0, stats
+    for got, reference in zip(outputs, references, strict=True):
+        assert got.output_token_ids == reference.output_token_ids
+        assert got.logprobs is not None and reference.logprobs is not None
+        for ours, theirs in zip(got.logprobs, reference.logprobs, strict=True):
+            assert (ours.token_id, ours.rank, ours.top_ids) == (theirs.token_id, theirs.rank, theirs.top_ids)
+            assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-6)  # float64 logits
+            assert ours.top_logprobs == pytest.approx(theirs.top_logprobs, abs=1e-6)
