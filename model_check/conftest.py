@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 # tlc.py, trace_check.py (this folder) and support.* (tests/) are on the path through pytest's `pythonpath`.
-from tlc import PARALLEL_RUNS, REQUIRE_ENV, TlcResult, manifest_models, missing_reason, run_tlc
+from tlc import PARALLEL_RUNS, REQUIRE_ENV, SHORT_RUN_STATES, TlcResult, manifest_models, missing_reason, run_tlc
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +31,8 @@ def model_results(tlc_available, tmp_path_factory) -> dict[str, TlcResult]:
 
     def run(entry: dict) -> TlcResult:
         dot = dumps / (Path(entry["config"]).stem + ".dot") if entry.get("dump") == "dot" else None
-        return run_tlc(entry["module"], entry["config"], dump_dot=dot)
+        short = entry["distinct_states"] < SHORT_RUN_STATES
+        return run_tlc(entry["module"], entry["config"], dump_dot=dot, short=short)
 
     models = manifest_models()
     with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
