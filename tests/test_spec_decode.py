@@ -203,18 +203,23 @@ def deltas_of(llm: LLM, prompt: list[int], params: SamplingParams) -> list[tuple
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
 
 
+@pytest.fixture(scope="module")
+def repeating(target) -> tuple[list[int], list[int]]:
+    """A prompt that carries its own greedy continuation (so that continuation repeats what the prompt
+    ends with), and its greedy output without speculation: one sync run serves both modes below."""
+    long = SamplingParams(max_tokens=40, ignore_eos=True)
+    with LLM(target, async_scheduling=False, **ENGINE) as plain:
+        prompt = PROMPT + [t for tokens, _ in deltas_of(plain, PROMPT, long) for t in tokens]
+        return prompt, [t for tokens, _ in deltas_of(plain, prompt, long) for t in tokens]
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_a_stop_inside_an_accepted_run_ends_the_output_exactly_there(target, async_scheduling):
+def test_a_stop_inside_an_accepted_run_ends_the_output_exactly_there(target, repeating, async_scheduling):
     """n-gram drafts copy the request's history, so a stop token inside a run must be one the outputs
     have not had yet: the prompt carries the continuation (the target's own greedy output, which then
     repeats), and a run's second token, new to the outputs, is the stop."""
-    with LLM(target, async_scheduling=False, **ENGINE) as plain:
-        lead = [
-            t for tokens, _ in deltas_of(plain, PROMPT, SamplingParams(max_tokens=40, ignore_eos=True)) for t in tokens
-        ]
-        prompt = PROMPT + lead  # its greedy continuation repeats what the prompt ends with
-        long = SamplingParams(max_tokens=40, ignore_eos=True)
-        full = [t for tokens, _ in deltas_of(plain, prompt, long) for t in tokens]
+    prompt, full = repeating
+    long = SamplingParams(max_tokens=40, ignore_eos=True)
     with LLM(target, async_scheduling=async_scheduling, speculative_config=ngram(4), **ENGINE) as llm:
         runs = deltas_of(llm, prompt, long)
         assert [t for tokens, _ in runs for t in tokens] == full
@@ -236,14 +241,24 @@ def test_a_stop_inside_an_accepted_run_ends_the_output_exactly_there(target, asy
         assert llm.engine.scheduler.num_free_slots == ENGINE["max_num_seqs"]
 
 
+NEAR_LIMIT = {**ENGINE, "max_model_len": 48}
+UNCAPPED = SamplingParams(max_tokens=100, ignore_eos=True)  # max_model_len ends it
+
+
+@pytest.fixture(scope="module")
+def near_limit_plain(target) -> list[tuple[list[int], str | None]]:
+    """PROMPT's deltas up to max_model_len without speculation (sync): the output both modes must give."""
+    with LLM(target, async_scheduling=False, **NEAR_LIMIT) as plain:
+        return deltas_of(plain, PROMPT, UNCAPPED)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_near_max_model_len_speculation_turns_off_and_the_output_ends_where_it_would(target, async_scheduling):
-    engine = {**ENGINE, "max_model_len": 48}
-    params = SamplingParams(max_tokens=100, ignore_eos=True)
-    with LLM(target, async_scheduling=False, **engine) as plain:
-        want = deltas_of(plain, PROMPT, params)
-    with LLM(target, async_scheduling=async_scheduling, speculative_config=ngram(4), **engine) as llm:
-        got = deltas_of(llm, PROMPT, params)
+def test_near_max_model_len_speculation_turns_off_and_the_output_ends_where_it_would(
+    target, near_limit_plain, async_scheduling
+):
+    want = near_limit_plain
+    with LLM(target, async_scheduling=async_scheduling, speculative_config=ngram(4), **NEAR_LIMIT) as llm:
+        got = deltas_of(llm, PROMPT, UNCAPPED)
         scheduler = llm.engine.scheduler
         assert scheduler.num_accepted_tokens > 0
     assert [t for d, _ in got for t in d] == [t for d, _ in want for t in d]
