@@ -338,7 +338,8 @@ def test_trace_of_a_constrained_run_is_a_behaviour_of_the_spec_and_a_stale_mask_
     dead end are a behaviour of the spec, and every mask came from its request's grammar after its
     previous token (FreshMaskInv, by TLC). The spec's
     MCMaskBeforeInFlightToken run for real (a source mutant builds a deferred step's mask before the
-    step in flight is applied) fails FreshMaskInv at its first stale mask."""
+    step in flight is applied) fails FreshMaskInv at its first stale mask, and its grammars reject a
+    token it sampled. (tests/test_structured_output.py checks a larger real run's masks without TLC.)"""
     model = write_json_model(tmp_path / "model")
     events = record_constrained(tmp_path / "engine", model)
     launches = Counter(e["state"] for e in events if e["event"] == "launch")
@@ -356,6 +357,9 @@ def test_trace_of_a_constrained_run_is_a_behaviour_of_the_spec_and_a_stale_mask_
     assert verdict.violated_invariant == "FreshMaskInv", verdict.describe()
     rejected = verdict.rejected_event
     assert rejected["event"] == "mask" and any(g != k for _, g, k in rejected["masks"]), verdict.describe()
+    # What a client of the mutant sees: a constrained request ends with the grammar's refusal of a token.
+    outputs = [json.loads(line) for line in (tmp_path / "mutant-run" / "out.jsonl").read_text().splitlines()]
+    assert any("the grammar rejected token" in (o["error"] or "") for o in outputs), outputs
 
 
 HYPOTHESIS_EXAMPLES = 50  # per CI run: the stateful engine test's own machine, every engine traced
