@@ -132,13 +132,10 @@ def test_a_line_that_is_not_a_json_object_names_its_line_number(line):
 
 
 def test_text_prompt_is_encoded_by_the_tokenizer():
-    class Encoding:
-        ids = [8, 9, 10]
-
-    class Tokenizer:
-        def encode(self, text: str) -> Encoding:
+    class Tokenizer:  # ServedTokenizer's encode: text to ids
+        def encode(self, text: str) -> list[int]:
             assert text == "hello"
-            return Encoding()
+            return [8, 9, 10]
 
     request = parse_request_line('{"prompt": "hello", "max_tokens": 2, "request_id": "t"}', 0, Tokenizer())
     assert request.prompt_token_ids == [8, 9, 10] and request.request_id == "t"

@@ -584,6 +584,8 @@ def test_stateful_runs_reach_every_path_state_and_fault():
     # SpecExit needs every row of a step to have turned speculation off at once: drawn examples reach it
     # now and then, tests/test_spec_draft_model.py builds it on purpose.
     missing = [s for s in sm.PATH_STATES if COVERAGE[s] == 0 and s != sm.SPEC_EXIT]
+    if COVERAGE["examples"] < 100:  # a short (dev) run draws the draft-model machine twice: SpecSteady is luck
+        missing = [s for s in missing if s != sm.SPEC_STEADY]
     assert not missing, f"no example reached {missing}: {dict(COVERAGE)}"
     assert COVERAGE["aborts"] and COVERAGE["recycled ids"], dict(COVERAGE)
     if COVERAGE["examples"] >= 100:  # faults are drawn per example: a short (dev) run may miss them
