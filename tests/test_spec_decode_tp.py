@@ -207,6 +207,26 @@ def test_tp2_seeded_sampling_with_a_draft_model_gives_the_same_tokens_async_and_
     assert spec_steady_steps(drafting_tp2[True]) > steady
 
 
+def test_tp2_seeded_sampling_with_ngram_gives_the_tokens_of_tp1_sync(target, ngram_tp2):  # noqa: F811
+    """Seeded and greedy requests (with logits processing) on the shared async TP = 2 n-gram engine
+    give a sync TP = 1 engine's tokens: the non-output rank builds its rows from the output rank's
+    drafts, and every rank draws the same noise per (seed, position), so rejections, residual draws
+    and bonus tokens agree (float64: the shards' sums differ from TP = 1's in the last bits only)."""
+    rng = random.Random(13)
+    items = [  # long enough to settle into cycles, the sampled ones at a low temperature: drafts get accepted
+        dataclasses.replace(w, params=dataclasses.replace(longer(w, rng).params, temperature=0.3 * (t > 0)))
+        for w, t in ((w, w.params.temperature) for w in random_workload(rng, "n", max_prompt=40, processing=True))
+    ]
+    before = ngram_tp2.stats()["spec_decode"]
+    with LLM(target, async_scheduling=False, speculative_config=ngram(3), **ENGINE) as sync_tp1:
+        want = drive(sync_tp1, items, aborts=False)
+    got = drive(ngram_tp2, items, aborts=True)
+    assert_matches(got, want, items)
+    after = ngram_tp2.stats()["spec_decode"]
+    accepted, drafted = (after[n] - before[n] for n in ("num_accepted_tokens", "num_draft_tokens"))
+    assert 0 < accepted < drafted, (before, after)
+
+
 # Each method on its shared async engine (n-gram k = 3, draft_model k = 4) with its churn.
 SOLO = {"ngram": ("ngram_tp2", "churn"), "draft_model": ("drafting_tp2", "draft_churn")}
 
