@@ -24,7 +24,7 @@ import torch
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, SAMPLING_INPUT_NAMES, padding_inputs
 from neuron_async_sm.model.logits_processors import PROCESSING_INPUTS
-from neuron_async_sm.model.logprobs import block_width
+from neuron_async_sm.model.logprobs import PACKED_DTYPE, block_width
 from neuron_async_sm.runtime import TensorSpec, WarmupCall
 from neuron_async_sm.worker.drafts import SPEC_STEP_PROGRAM
 from neuron_async_sm.worker.model_input import SAMPLED_DTYPE, logits_dtype
@@ -81,7 +81,7 @@ def warmup_calls(config: EngineConfig, vocab_size: int, *, grammars: bool = Fals
             label = _label(shape) if kind == "plain" else f"{_label(shape)} {kind}"
             if kind != "plain":  # the packed output: the tokens, then the sampled tokens' logprobs
                 inputs.update(extras_inputs(rows, config.max_logprobs))
-                out = TensorSpec((rows, 1 + block_width(config.max_logprobs)), SAMPLED_DTYPE)
+                out = TensorSpec((rows, 1 + block_width(config.max_logprobs)), PACKED_DTYPE)
             forward_inputs = {k: v for k, v in inputs.items() if k not in (*SAMPLING_INPUT_NAMES, "sample_logprobs")}
             if kind.endswith("a mask"):  # padding rows: every token allowed
                 inputs["token_bitmask"] = torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
@@ -115,7 +115,7 @@ def spec_warmup_calls(config: EngineConfig) -> list[WarmupCall]:
     (the relay is off, and a decode row is a chunk of its last accepted token and its drafts): one
     call per such shape, and with a device drafter (draft_model) in async mode the same shape fed with
     its own output (SpecSteady, SpecExit and ReorderRemap of a drafted future: `drafted_input`, which
-    is `[rows, 2(1 + k)]` whatever the step that made it, plus the logprobs' bits with extras). A fed
+    is `[rows, 2(1 + k)]` whatever the step that made it, plus the logprobs with extras, float32 then). A fed
     graph depends on its input's rows alone, which equal the step's. Greedy and sampled rows run one
     graph on a compiling device (`SpecStepProgram`). With `config.sampling_extras` each call runs once
     more with the extras' inputs (a fed step has the same rows as the step that fed it, so the same
@@ -132,11 +132,12 @@ def spec_warmup_calls(config: EngineConfig) -> list[WarmupCall]:
             rows = shape[0]
             inputs = padding_inputs(shape, config.max_num_seqs)  # the scratch slot is max_num_seqs
             inputs["num_drafts"] = torch.zeros(rows, dtype=torch.int32)
-            width, label = columns, f"spec {_label(shape)}"
-            if extras:  # then a logprobs block per verified position
+            width, label, dtype = columns, f"spec {_label(shape)}", SAMPLED_DTYPE
+            if extras:  # then a logprobs block per verified position, the whole packed as float32
                 inputs.update(extras_inputs(rows, config.max_logprobs))
                 width, label = columns + spec.width * block_width(config.max_logprobs), f"{label} with sampling extras"
-            out = TensorSpec((rows, width), SAMPLED_DTYPE)
+                dtype = PACKED_DTYPE
+            out = TensorSpec((rows, width), dtype)
             plain = WarmupCall(label, SPEC_STEP_PROGRAM, inputs, out)
             calls.append(plain)
             if fed:

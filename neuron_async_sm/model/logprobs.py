@@ -6,11 +6,13 @@ are the same whatever a request samples with. One position's logprobs: the chose
 sampled one, or the prompt's next token), its rank (vLLM's: how many tokens have a logprob >= it, so
 1 for the most likely), and the `top` most likely tokens with theirs.
 
-The step's output stays one tensor, int32 `[B, 1 + width]`, so the logprobs come back with the tokens
-in one transfer and one materialization: column 0 is the sampled tokens (a later step may take them
-as its input ids, `StepProgram` reads column 0), the other columns are float32 bits (`LogprobsLayout`):
-the sampled token's block, then one block per prompt position of the row's chunk. Token ids and ranks
-ride in float32, exact below 2**24 (`MAX_VOCAB`).
+The step's output stays one tensor, float32 `[B, 1 + width]` (`PACKED_DTYPE`), so the logprobs come
+back with the tokens in one transfer and one materialization: column 0 is the sampled tokens (a later
+step may take them as its input ids, `StepProgram` reads column 0 as integers), the other columns are
+the float32 values (`LogprobsLayout`): the sampled token's block, then one block per prompt position of
+the row's chunk. Token ids (the -1 placeholders too) and ranks ride in float32, exact below 2**24
+(`MAX_VOCAB`). Float32, not int32 with the values' bits: torch_xla runs a bitcast (`view(torch.int32)`)
+on the host, which split a step into two graphs with a read-back between them.
 
 A speculative step (`model/spec_decode.py`) emits up to 1 + k tokens per row: its token columns come
 first (`[B, 1 + k]`, draft_model: then `next_input`), then one sampled-token block per verified
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 MAX_VOCAB = 1 << 24  # token ids and ranks travel as float32, exact up to here
+PACKED_DTYPE = torch.float32  # the packed output's: tokens as exact integers, logprobs as they are
 
 
 def block_width(top: int) -> int:
@@ -42,12 +45,12 @@ def position_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> t
 
 
 def pack_output(tokens: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
-    """int32 `[B, T + width]`: the tokens (`[B]`, or `[B, T]` columns of them), then each float32
-    block `[B, ...]` as its bits."""
-    columns = tokens.to(torch.int32)
+    """float32 `[B, T + width]`: the tokens (`[B]`, or `[B, T]` columns of them), then each float32
+    block `[B, ...]`. A cast, not a bitcast: the whole step stays one graph on XLA."""
+    columns = tokens.to(PACKED_DTYPE)
     columns = columns.unsqueeze(1) if columns.dim() == 1 else columns
-    bits = torch.cat([b.reshape(b.shape[0], -1) for b in blocks], dim=1).contiguous().view(torch.int32)
-    return torch.cat([columns, bits.to(columns.device)], dim=1)
+    values = torch.cat([b.reshape(b.shape[0], -1) for b in blocks], dim=1).to(PACKED_DTYPE)
+    return torch.cat([columns, values.to(columns.device)], dim=1)
 
 
 @dataclass(frozen=True)
@@ -72,13 +75,13 @@ class LogprobsLayout:
         """The host copy `[B, T + width]` (T = `token_columns`) as (the token columns int32 `[B, T]`,
         sampled-token blocks float32 `[B, sampled, block]`, prompt blocks float32 `[B, L, block]`;
         empty where the step has none)."""
-        host = output.to(torch.int32).numpy()  # a device may widen the integer type; the bits are int32's
+        host = output.to(PACKED_DTYPE).numpy()  # [B, T + width]
         rows = host.shape[0]
-        values = np.ascontiguousarray(host[:, token_columns:]).view(np.float32)  # [B, width]
+        values = host[:, token_columns:]  # [B, width]
         sample = values[:, : self.sample_width]
         if self.sample_top >= 0:
             sample = sample.reshape(rows, self.sampled, block_width(self.sample_top))
         prompt = values[:, self.sample_width :]
         if self.prompt_top >= 0:
             prompt = prompt.reshape(rows, self.length, block_width(self.prompt_top))
-        return host[:, :token_columns], sample, prompt
+        return host[:, :token_columns].astype(np.int32), sample, prompt

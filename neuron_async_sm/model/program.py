@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from neuron_async_sm.model.config import LlamaConfig, load_model_config
 from neuron_async_sm.model.grammar_mask import apply_token_bitmask
-from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, SamplingInputs, padding_inputs
+from neuron_async_sm.model.inputs import FORWARD_INPUT_NAMES, INPUTS, SamplingInputs, padding_inputs
 from neuron_async_sm.model.kv_cache import KVCache
 from neuron_async_sm.model.llama import ForwardBatch, LlamaModel
 from neuron_async_sm.model.loader import load_weights
@@ -94,7 +94,7 @@ class StepProgram:
         token_bitmask: torch.Tensor | None = None,
         **inputs: torch.Tensor,
     ) -> torch.Tensor:
-        """Sampled token ids, int32 `[B]`; with logprobs asked, int32 `[B, 1 + width]`, the tokens in
+        """Sampled token ids, int32 `[B]`; with logprobs asked, float32 `[B, 1 + width]`, the tokens in
         column 0 (`model/logprobs.py`). The forward (`forward_logits`, which takes every input but
         these and the five `SamplingInputs`) then the sampling (`sample`), the two halves a step whose
         mask waited runs as two programs.
@@ -457,8 +457,8 @@ class RelayPad:
         rows = tokens.shape[0]
         if tokens.dim() not in (1, 2) or rows > self.width:
             raise ValueError(f"relay_pad: tokens {tuple(tokens.shape)} must be 1-D with at most {self.width} rows")
-        if tokens.dim() == 2:  # a packed output: its tokens are column 0
-            tokens = tokens[:, 0]
+        if tokens.dim() == 2:  # a packed output (float32): its tokens are column 0, as the ids' integers
+            tokens = tokens[:, 0].to(INPUTS["input_ids"].dtype)
         tokens = tokens.to(self.device)
         return torch.cat([tokens, tokens.new_zeros(self.width - rows)])  # [width]
 

@@ -154,8 +154,9 @@ class SpecStepProgram:
     device's positions; the host's input_ids and positions of those rows are placeholders.
 
     With logprobs asked (`sample_logprobs`, `prompt_logprobs` with `prompt_targets`, host inputs as
-    the step program takes them) their float32 bits follow those columns: W blocks per row, then L
-    prompt blocks per row (`LogprobsLayout` with `sampled` = W).
+    the step program takes them) they follow those columns, the whole output then float32 (the tokens
+    exact integers, `model/logprobs.py`): W blocks per row, then L prompt blocks per row
+    (`LogprobsLayout` with `sampled` = W).
 
     `token_bitmask` (structured output, n-gram): int32 `[B, W, words]`, row c of a row from its grammar
     after its first c drafts (the scheduler's, cut to the grammar-valid prefix): the mask of position
@@ -298,7 +299,7 @@ class SpecStepProgram:
         length: int,
     ) -> torch.Tensor:
         """`out` int32 `[B, columns]` (its first W columns the emitted tokens, -1 past each run), then,
-        when asked, the logprobs' bits: per verified position the logprobs of the token emitted there
+        when asked, the logprobs (the whole then float32): per verified position the logprobs of the token emitted there
         from `raw` `[B, W, vocab]`, then `prompt_block` `[B, L * w]`. raw None: an all-padding step,
         whose blocks are zeros (never read)."""
         if sample_logprobs is None and prompt_logprobs is None:
@@ -335,7 +336,7 @@ class SpecStepProgram:
         device's positions. Nothing is read back (on a lazy device that would block the step)."""
         width, dev = self.width, self.program.device
         rows, length = ids.shape
-        # The previous call's output: tokens, next_input, then logprobs' bits when it had them (unread here).
+        # The previous call's output: tokens, next_input, then logprobs when it had them (unread here).
         if drafted_input.shape[0] != rows or drafted_input.dim() != 2 or drafted_input.shape[1] < 2 * width:
             raise ValueError(
                 f"drafted_input {tuple(drafted_input.shape)} must be [{rows}, >= {2 * width}]: the previous output"

@@ -11,6 +11,7 @@ import torch
 from neuron_async_sm.outputs import ModelRunnerOutput, StepSnapshot
 from neuron_async_sm.runtime import DeviceFuture
 from neuron_async_sm.trace import Tracer
+from neuron_async_sm.worker.model_input import SAMPLED_DTYPE
 
 if TYPE_CHECKING:
     from neuron_async_sm.worker.input_batch import InputBatch
@@ -43,14 +44,15 @@ class AsyncModelRunnerOutput:
     ) -> None:
         self.snapshot = snapshot
         # Sampled token ids, [padded rows] int32, still on the device: the next step may feed on it.
-        # With logprobs, [padded rows, 1 + width] int32: the tokens in column 0, the logprobs after
-        # them (worker/step_logprobs.py). Otherwise (host_sampler set, sync mode only) logits
-        # [padded rows, vocab] sampled on the host.
+        # With logprobs, [padded rows, 1 + width] float32: the tokens in column 0 (exact integers), the
+        # logprobs after them (model/logprobs.py, worker/step_logprobs.py). Otherwise (host_sampler set,
+        # sync mode only) logits [padded rows, vocab] sampled on the host.
         self.future = future
         self._host_sampler = host_sampler
         self._logprobs = logprobs
         # Speculative decoding: W = 1 + k (0: none); the future is [rows, W] tokens, -1 after each row's
-        # run, then (draft_model, `next_input`) [rows, W] next_input, then the logprobs' bits when asked.
+        # run, then (draft_model, `next_input`) [rows, W] next_input, then the logprobs when asked (the
+        # whole then float32).
         self._spec_width = spec_width
         self._next_input = next_input
         self._batch = batch  # the worker's CPU token state: it applies the tokens (InputBatch.write_back)
@@ -66,6 +68,13 @@ class AsyncModelRunnerOutput:
         (column 0, `[B]`; the program takes that column), otherwise the whole future."""
         shape = tuple(self.future.shape)
         return shape[:1] if self._logprobs is not None else shape
+
+    @property
+    def fed_dtype(self) -> torch.dtype:
+        """The dtype a later step reads of the future as its input ids (and the relay's pad returns): a
+        logprobs output's token columns are the sampled dtype's integers (float32 holds them exactly;
+        the programs take them as ids), otherwise the future's own."""
+        return SAMPLED_DTYPE if self._logprobs is not None else self.future.dtype
 
     @property
     def drafted(self) -> bool:
@@ -99,7 +108,8 @@ class AsyncModelRunnerOutput:
             if self._spec_width:  # per row its accepted drafts and one more token, then -1
                 width = self._spec_width
                 columns = width * (2 if self._next_input else 1)
-                rows = host[: len(snapshot.req_ids), :columns].tolist()  # ints; no torch slice per row
+                # ints (with logprobs the output is float32: its token columns are exact integers)
+                rows = host[: len(snapshot.req_ids), :columns].to(torch.int32).tolist()
                 if self._next_input:  # draft_model: the tokens, then next_input
                     next_input = [row[width:] for row in rows]
                     rows = [row[:width] for row in rows]

@@ -23,6 +23,7 @@ import torch
 from neuron_async_sm.config import EngineConfig
 from neuron_async_sm.model.grammar_mask import apply_token_bitmask
 from neuron_async_sm.model.inputs import SAMPLING_INPUT_NAMES
+from neuron_async_sm.model.logprobs import PACKED_DTYPE
 from neuron_async_sm.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput, StepSnapshot
 from neuron_async_sm.runtime import DeviceFuture, DeviceRuntime, TensorSpec
 from neuron_async_sm.runtime.messages import dtype_name
@@ -211,9 +212,10 @@ class ModelRunner:
         split, mask = self._launch(scheduled, obs, trace, model_input)
         if spec is not None:  # accepted tokens [B, 1 + k], -1 after each row's run (draft_model: then next_input)
             columns = spec.width * (2 if spec.method == "draft_model" else 1)
-            if model_input.logprobs is not None:  # then the logprobs' float32 bits
-                columns += model_input.logprobs.layout.width
-            out = TensorSpec((num_rows, columns), SAMPLED_DTYPE)
+            dtype = SAMPLED_DTYPE
+            if model_input.logprobs is not None:  # then the logprobs, the whole packed as float32
+                columns, dtype = columns + model_input.logprobs.layout.width, PACKED_DTYPE
+            out = TensorSpec((num_rows, columns), dtype)
             future = self.runtime.enqueue(SPEC_STEP_PROGRAM, {**model_input.inputs, **fed, **mask}, out)
         elif split:  # SampleDeferred: the forward now; sample_tokens samples its logits under the mask
             # The prompt's logprob blocks, when asked, come after each row's logits (StepProgram.forward_logits).
@@ -224,8 +226,8 @@ class ModelRunner:
             forward = {k: v for k, v in model_input.inputs.items() if k not in SAMPLING_INPUT_NAMES}
             forward.pop("sample_logprobs", None)  # the sampling program's
             future = self.runtime.enqueue(LOGITS_PROGRAM, {**forward, **fed}, out)
-        elif model_input.logprobs is not None:  # the tokens in column 0, then the logprobs' float32 bits
-            out = TensorSpec((num_rows, 1 + model_input.logprobs.layout.width), SAMPLED_DTYPE)
+        elif model_input.logprobs is not None:  # float32: the tokens in column 0, then the logprobs
+            out = TensorSpec((num_rows, 1 + model_input.logprobs.layout.width), PACKED_DTYPE)
             future = self.runtime.enqueue(STEP_PROGRAM, {**model_input.inputs, **fed, **mask}, out)
         elif self.config.on_device_sampling:
             out = self._sampled_specs.get(num_rows)
@@ -288,7 +290,7 @@ class ModelRunner:
             # The sampling program's inputs: all but the forward's own (the prompt's targets went into its blocks).
             sampling = {k: v for k, v in model_input.inputs.items() if k not in ("input_ids", "prompt_targets")}
             if model_input.logprobs is not None:  # packed as the fused program's: tokens, then the logprobs
-                out = TensorSpec((model_input.num_rows, 1 + model_input.logprobs.layout.width), SAMPLED_DTYPE)
+                out = TensorSpec((model_input.num_rows, 1 + model_input.logprobs.layout.width), PACKED_DTYPE)
             elif (out := self._sampled_specs.get(model_input.num_rows)) is None:
                 out = self._sampled_specs[model_input.num_rows] = TensorSpec((model_input.num_rows,), SAMPLED_DTYPE)
             future = self.runtime.enqueue(SAMPLE_PROGRAM, {"logits": executed.future, **sampling, **mask}, out)
@@ -331,7 +333,6 @@ class ModelRunner:
     def _observe(self, scheduled: SchedulerOutput, rows: StepRows) -> sm.StepObservation:
         """What the machine decides this step's path (and launch) from."""
         pending = self.pending
-        future = pending.future if pending is not None else None
         masked = scheduled.structured_output_req_ids
         all_decode, all_spec = scheduled.all_decode, False
         if self.config.speculative_config is not None:
@@ -342,7 +343,7 @@ class ModelRunner:
             curr_req_ids=rows.req_ids,
             all_decode=all_decode,
             pending_shape=pending.fed_shape if pending is not None else (),
-            pending_dtype=dtype_name(future.dtype) if future is not None else "",
+            pending_dtype=dtype_name(pending.fed_dtype) if pending is not None else "",
             input_shape=rows.shape,
             input_dtype=_SAMPLED_DTYPE_NAME,
             relay=self.config.async_relay,
@@ -421,7 +422,7 @@ class ModelRunner:
         future = self.pending.future
         if not self.runtime.compiles_per_shape:
             return future
-        padded = TensorSpec((relay_width(self.config),), future.dtype)
+        padded = TensorSpec((relay_width(self.config),), self.pending.fed_dtype)  # a packed output's: int
         return self.runtime.enqueue(RELAY_PAD_PROGRAM, {"tokens": future}, padded)  # rows keep their index
 
     def _relay_rows(self, model_input: ModelInput) -> list[int]:
