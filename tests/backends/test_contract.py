@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from device_work import device_work
 from programs import ContractPrograms, heavy_reference
 from support.faulty_runtime import FaultyPrograms, FaultyRuntime
 
@@ -53,12 +54,8 @@ def runtime(backend):
 
 def device_reads(backend) -> int | None:
     """Device->host transfers as the device library itself counts them (XLA), None where it has no counter."""
-    if backend.name != "xla":
-        return None
-    import torch_xla.debug.metrics as metrics
-
-    data = metrics.metric_data("TransferFromDeviceTime")
-    return 0 if data is None else int(data[0])
+    work = device_work(backend.name)
+    return None if work is None else work[1]
 
 
 def test_enqueue_returns_before_the_program_ran(backend, runtime, heavy):
