@@ -213,9 +213,12 @@ def test_tp2_seeded_sampling_with_ngram_gives_the_tokens_of_tp1_sync(target, ngr
     drafts, and every rank draws the same noise per (seed, position), so rejections, residual draws
     and bonus tokens agree (float64: the shards' sums differ from TP = 1's in the last bits only)."""
     rng = random.Random(13)
-    items = [  # long enough to settle into cycles, the sampled ones at a low temperature: drafts get accepted
-        dataclasses.replace(w, params=dataclasses.replace(longer(w, rng).params, temperature=0.3 * (t > 0)))
-        for w, t in ((w, w.params.temperature) for w in random_workload(rng, "n", max_prompt=40, processing=True))
+    items = [  # long enough to settle into cycles, the sampled ones at a low temperature (drafts get
+        # accepted) and every one seeded (an unseeded draw depends on what the engine ran before)
+        dataclasses.replace(w, params=dataclasses.replace(longer(w, rng).params, temperature=0.3 * (t > 0), seed=i))
+        for i, (w, t) in enumerate(
+            (w, w.params.temperature) for w in random_workload(rng, "n", max_prompt=40, processing=True)
+        )
     ]
     before = ngram_tp2.stats()["spec_decode"]
     with LLM(target, async_scheduling=False, speculative_config=ngram(3), **ENGINE) as sync_tp1:
