@@ -118,6 +118,10 @@ class ModelRunnerOutput:
     # Speculative decoding with logprobs asked: row i's, one per token of spec_token_ids[i] (None: the
     # row did not ask); logprobs[i] is the first of them.
     spec_logprobs: list[list[TokenLogprobs] | None] | None = None
+    # draft_model: row i's next_input ([1 + k]: its last accepted token, then the drafts its drafter
+    # proposed after it, -1 past them), read with its run; the scheduler keeps a masked request's drafts
+    # to cut with its grammar for its next row. None: no drafter on the device.
+    next_input: list[list[int]] | None = None
 
     def by_request(self) -> dict[str, int]:
         return dict(zip(self.req_ids, self.sampled_token_ids, strict=True))

@@ -67,6 +67,9 @@ class Request:
     # Why its grammar allows no token it may sample, found when its mask was built (None: it does): the
     # output of that step finishes it with an error, never with the token sampled.
     grammar_dead_end: str | None = field(default=None, init=False, repr=False)
+    # Under a grammar with draft_model: the drafts the device proposed after its newest token, read
+    # with the run of its last step; cut to the grammar's valid prefix for its next row.
+    proposed_drafts: tuple[int, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)

@@ -136,13 +136,6 @@ class Scheduler:
         request.max_outputs = min(params.max_tokens, self.config.max_model_len - len(prompt))
         request.max_computed_tokens = len(prompt) + request.max_outputs - 1
         if params.structured_outputs is not None:
-            spec = self.config.speculative_config
-            if spec is not None and spec.method != "ngram":
-                # Its drafts are proposed on the device, past the host's grammar: none could be cut to
-                # the grammar's valid prefix before it is verified (docs/structured-output.md).
-                raise InvalidRequestError(
-                    f"structured_outputs: not supported with speculative_config method {spec.method!r} (ngram only)"
-                )
             if self.grammars is None:
                 raise InvalidRequestError("structured_outputs: this engine has no tokenizer to build a grammar over")
             request.grammar = self.grammars.matcher(params.structured_outputs)  # InvalidRequestError naming the field
@@ -359,9 +352,10 @@ class Scheduler:
 
     def grammar_bitmask(self, scheduled: SchedulerOutput) -> GrammarBitmask:
         """The bitmask of `scheduled`'s masked rows from the grammars as they are now (a deferred step's,
-        built after the pending step was applied). A request finished meanwhile samples unmasked:
-        its token is discarded."""
-        return self._bitmask(scheduled.structured_output_req_ids)
+        built after the pending step was applied; speculative: one row per verified position, after
+        the drafts the step verifies). A request finished meanwhile samples unmasked: its token is
+        discarded."""
+        return self._bitmask(scheduled.structured_output_req_ids, scheduled.draft_token_ids)
 
     def _bitmask(self, masked: frozenset[str], draft_ids: dict[str, tuple[int, ...]] | None = None) -> GrammarBitmask:
         assert self.grammars is not None
@@ -499,13 +493,17 @@ class Scheduler:
         return n
 
     def _grammar_drafts(self, request: Request, most: int) -> tuple[int, ...]:
-        """A masked request's n-gram drafts (at most `most`) from its whole history, cut to the prefix its
-        grammar accepts (vLLM's update_draft_token_ids / validate_tokens) and before a draft after which
-        the request could sample no token (a dead end under its mask row)."""
+        """A masked request's drafts (at most `most`: n-gram's from its whole history, or draft_model's as
+        its last step's drafter proposed them on the device), cut to the prefix its grammar accepts
+        (vLLM's update_draft_token_ids / validate_tokens) and before a draft after which the request
+        could sample no token (a dead end under its mask row)."""
         spec, grammars = self.config.speculative_config, self.grammars
         assert spec is not None and grammars is not None and request.grammar is not None
-        history = [*request.prompt_token_ids, *request.output_token_ids]
-        proposed = propose_ngram(history, most, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if spec.method == "draft_model":  # the device's, read with its last run (one step at a time)
+            proposed = list(request.proposed_drafts[:most])
+        else:
+            history = [*request.prompt_token_ids, *request.output_token_ids]
+            proposed = propose_ngram(history, most, spec.prompt_lookup_min, spec.prompt_lookup_max)
         valid, rows = grammars.draft_bitmask(request.grammar, proposed, 1 + len(proposed))
         for j in range(1, len(valid) + 1):
             if self._dead_end(request, rows[j], ahead=j) is not None:
@@ -518,6 +516,9 @@ class Scheduler:
         is appended token by token with the stop check after each, and the tokens after a stop are
         dropped (never emitted)."""
         runs = output.runs_by_request()
+        proposals: dict[str, list[int]] = {}  # draft_model: each masked row's next_input
+        if (masked := scheduled.structured_output_req_ids) and output.next_input is not None:
+            proposals = {r: row for r, row in zip(output.req_ids, output.next_input, strict=True) if r in masked}
         deltas: list[RequestDelta] = []
         asked = None if output.logprobs is None and output.prompt_logprobs is None else self._logprobs(output)
         sampling, drafted = scheduled.sampling_req_ids, scheduled.num_draft_tokens
@@ -535,6 +536,8 @@ class Scheduler:
                     self._finish(request, FinishReason.ERROR, error=request.grammar_dead_end)
                     deltas.append(RequestDelta(req_id, [], FinishReason.ERROR.value, request.grammar_dead_end))
                 elif not request.is_finished:
+                    if req_id in proposals:  # the drafts after its run, for its next row's cut
+                        request.proposed_drafts = tuple(d for d in proposals[req_id][1:] if d >= 0)
                     delta = self._append_run(request, run)
                     if asked and (found := asked.get(req_id)) is not None:
                         logprobs, delta.prompt_logprobs = found

@@ -1,11 +1,14 @@
-"""Structured output under n-gram speculation (docs/structured-output.md, docs/spec-decode.md §12):
-the scheduler cuts a masked request's drafts to their grammar-valid prefix and builds one mask row per
+"""Structured output under speculation (docs/structured-output.md, docs/spec-decode.md §12): the
+scheduler cuts a masked request's drafts (n-gram's, or the ones draft_model's drafter proposed on the
+device, read home with the request's run) to their grammar-valid prefix and builds one mask row per
 verified position; constrained outputs satisfy their grammars, async equals sync (seeded, temperature
-1.0), greedy equals no speculation; draft_model with a grammar is refused by name.
+1.0), greedy equals no speculation, with masked and unmasked requests in one batch.
 
 The model is test_structured_output.py's random Llama over a trained byte-level BPE: its JSON, regex,
 choice and Lark outputs repeat their own syntax, so n-gram lookup proposes drafts the grammar both
-accepts and rejects.
+accepts and rejects. The draft model is a noisy copy of it: its drafts follow the target's unmasked
+argmax, which the strict grammars mostly reject (cut, on purpose) and the loose regex (`LOOSE`) mostly
+accepts.
 """
 
 from __future__ import annotations
@@ -13,17 +16,20 @@ from __future__ import annotations
 import random
 
 import pytest
-from support.grammar_model import CONSTRAINTS, VOCAB_SIZE, write_json_model
+from support.grammar_model import CONSTRAINTS, VOCAB_SIZE, Constraint, write_json_model
 from tokenizers import Tokenizer
 
-from neuron_async_sm import LLM, InvalidRequestError, SamplingParams
+from neuron_async_sm import LLM, SamplingParams
+from neuron_async_sm.bench.checkpoint import write_noisy_copy
 from neuron_async_sm.engine.llm import PromptRequest
-from neuron_async_sm.structured_output import GrammarCompiler
+from neuron_async_sm.structured_output import GrammarCompiler, StructuredOutputsParams
 
 llguidance = pytest.importorskip("llguidance")
 
 ENGINE = dict(device="cpu-inprocess", max_model_len=160, max_num_seqs=8, decode_buckets=(1, 2, 4, 8))
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+# Most of the random model's tokens fit it: a masked request whose drafts are mostly accepted.
+LOOSE = Constraint(StructuredOutputsParams(regex="[^\\n{}]{8,40}"))
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +38,25 @@ def model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def draft(model, tmp_path_factory) -> str:
+    """The target plus 1% noise: its drafts are the target's unmasked argmax, which a grammar often forbids."""
+    return str(write_noisy_copy(model, tmp_path_factory.mktemp("draft"), 0.01))
+
+
+def draft_model(draft: str, k: int) -> dict:
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
 def tokenizer(model) -> Tokenizer:
     return Tokenizer.from_file(f"{model}/tokenizer.json")
 
 
 def workload(
-    seed: int, temperature: float, constrained: int = 15, free: int = 5
-) -> list[tuple[int | None, PromptRequest]]:
+    seed: int, temperature: float, constrained: int = 15, free: int = 5, loose: int = 0
+) -> list[tuple[Constraint | None, PromptRequest]]:
     rng = random.Random(seed)
-    kinds: list[int | None] = [i % len(CONSTRAINTS) for i in range(constrained)] + [None] * free
+    kinds = [CONSTRAINTS[i % len(CONSTRAINTS)] for i in range(constrained)] + [LOOSE] * loose + [None] * free
     rng.shuffle(kinds)
     items = []
     for i, kind in enumerate(kinds):
@@ -49,7 +65,7 @@ def workload(
             max_tokens=120 if kind is not None else rng.randint(1, 60),
             temperature=temperature,
             seed=seed * 1000 + i,
-            structured_outputs=CONSTRAINTS[kind].params if kind is not None else None,
+            structured_outputs=kind.params if kind is not None else None,
         )
         items.append((kind, PromptRequest(prompt, params, f"r{i}")))
     return items
@@ -65,7 +81,7 @@ def check_outputs(items, outputs, tokenizer) -> None:
         if kind is None:
             continue
         assert output.finish_reason == "stop", (output.request_id, output.finish_reason, output.error)
-        CONSTRAINTS[kind].check(tokenizer.decode(output.output_token_ids))
+        kind.check(tokenizer.decode(output.output_token_ids))
 
 
 def test_seeded_constrained_outputs_satisfy_their_grammars_and_async_equals_sync_under_speculation(model, tokenizer):
@@ -106,11 +122,49 @@ def test_drafts_are_cut_to_the_grammar_valid_prefix_and_the_mask_rows_follow_the
     assert matcher.validate_tokens([yes]) == 1  # rolled back: "yes" is still next
 
 
-def test_a_grammar_under_draft_model_speculation_is_refused_naming_the_field(model):
-    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
-    with LLM(model, **{**ENGINE, "speculative_config": spec}) as llm:
-        with pytest.raises(InvalidRequestError, match="^structured_outputs: not supported with speculative_config"):
-            llm.add_request([1, 5], SamplingParams(structured_outputs={"regex": "a+"}))
+# -- draft_model: drafts proposed on the device, cut on the host ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def greedy_items() -> list:
+    return workload(5, temperature=0.0, constrained=6, free=3, loose=2)
+
+
+@pytest.fixture(scope="module")
+def greedy_plain(model, greedy_items) -> list[list[int]]:
+    return [o.output_token_ids for o in run(model, greedy_items, async_scheduling=True)[0]]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_constrained_outputs_under_draft_model_equal_those_without(
+    model, draft, tokenizer, greedy_items, greedy_plain, k
+):
+    """Masked and unmasked requests in one batch, async and sync: the tokens of no speculation. The
+    strict grammars cut most drafts (some rows verify fewer than k, or none), the loose one accepts some."""
+    for async_scheduling in (True, False):
+        outputs, stats = run(
+            model, greedy_items, async_scheduling=async_scheduling, speculative_config=draft_model(draft, k)
+        )
+        check_outputs(greedy_items, outputs, tokenizer)
+        assert [o.output_token_ids for o in outputs] == greedy_plain, async_scheduling
+        spec = stats["spec_decode"]
+        assert spec["num_accepted_tokens"] > 0, spec
+        if k > 1:  # only a cut leaves a row with fewer than k drafts here (max_model_len is far)
+            assert spec["num_draft_tokens"] < k * spec["num_spec_rows"], spec
+
+
+def test_seeded_constrained_outputs_under_draft_model_satisfy_their_grammars_and_async_equals_sync(
+    model, draft, tokenizer
+):
+    """Every request masked, at temperature 1.0: every draft verified is a masked request's, and some are
+    accepted under its grammar's mask rows."""
+    items = workload(3, temperature=1.0, constrained=5, free=0, loose=3)
+    sync, _ = run(model, items, async_scheduling=False, speculative_config=draft_model(draft, 3))
+    check_outputs(items, sync, tokenizer)
+    outputs, stats = run(model, items, async_scheduling=True, speculative_config=draft_model(draft, 3))
+    check_outputs(items, outputs, tokenizer)
+    assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in sync]
+    assert stats["spec_decode"]["num_accepted_tokens"] > 0, stats["spec_decode"]
 
 
 def test_a_dead_end_under_speculation_finishes_its_request_with_the_error_naming_it(model, tokenizer):
@@ -134,3 +188,19 @@ def test_a_dead_end_under_speculation_finishes_its_request_with_the_error_naming
     assert dead.finish_reason == "error" and "min_tokens=4 holds back" in dead.error, (dead.finish_reason, dead.error)
     assert dead.output_token_ids == [yes]
     check_outputs(items[:-1], outputs[:-1], tokenizer)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_masked_request_alone_under_speculation_waits_for_its_mask_and_async_equals_sync(
+    model, draft, tokenizer, method
+):
+    """Alone, a masked request's step is followed by an empty one (it waits for its step in flight), so
+    its next step finds its own step pending: the machine defers the sampling (SampleDeferred) and the
+    spec program, which samples in verification, is enqueued with the mask the engine core builds at once."""
+    spec = NGRAM if method == "ngram" else draft_model(draft, 3)
+    items = workload(7, temperature=1.0, constrained=0, free=0, loose=1)
+    sync, _ = run(model, items, async_scheduling=False, speculative_config=spec)
+    outputs, stats = run(model, items, async_scheduling=True, speculative_config=spec)
+    check_outputs(items, outputs, tokenizer)
+    assert outputs[0].output_token_ids == sync[0].output_token_ids
+    assert stats["deferred_steps"] > 0 and stats["spec_decode"]["num_accepted_tokens"] > 0, stats

@@ -130,7 +130,14 @@ class AsyncModelRunnerOutput:
             else:
                 self._batch.write_runs(snapshot, runs, next_input)
             self._result = ModelRunnerOutput(
-                snapshot.step_id, list(snapshot.req_ids), tokens, runs, logprobs, prompt_logprobs, spec_logprobs
+                snapshot.step_id,
+                list(snapshot.req_ids),
+                tokens,
+                runs,
+                logprobs,
+                prompt_logprobs,
+                spec_logprobs,
+                next_input,
             )
         except BaseException as exc:  # surfaced to every caller, never swallowed
             self._error = exc

@@ -92,6 +92,12 @@ def build_spec_model_input(
             continue  # a prompt chunk: its positions are the scheduler's, exact
         if fed:  # placeholders: the device supplies the ids and the positions (docs/spec-decode.md §2)
             start, proposed = computed[req_id], (0,) * (counts[req_id] - 1)
+            if drafted is None and req_id in scheduled.draft_token_ids:  # the output rank: it has the drafts
+                # Hazard: an unvalidated draft. Under a grammar the row verifies the first drafts of its
+                # next_input: they must be the ones the scheduler cut (its step was applied, so the
+                # pending future is the output whose drafts the scheduler read).
+                cut = scheduled.draft_token_ids[req_id]
+                assert tuple(batch.drafts.get(state.kv_slot, ())[: len(cut)]) == cut, (req_id, cut)
         elif drafted is not None:  # a non-output rank: its batch holds neither the history nor the count
             start, proposed = drafted.start[req_id], drafted.drafts[req_id]
         elif req_id in scheduled.draft_token_ids:  # under a grammar: the scheduler's, cut to the valid prefix

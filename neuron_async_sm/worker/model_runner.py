@@ -71,10 +71,16 @@ class ExecutedStep:
 
     scheduled: SchedulerOutput
     model_input: ModelInput
-    future: DeviceFuture  # the program's output: sampled tokens [B] (or logits [B, vocab], host sampling or split)
+    # the program's output: sampled tokens [B] (or logits [B, vocab], host sampling or split); None: a
+    # deferred spec step, whose program waits for its mask (`deferred`)
+    future: DeviceFuture | None
     trace: StepTrace | None  # None: not tracing
     split: bool = False  # SampleDeferred: `future` is the forward's logits; sample_tokens samples them
     token_bitmask: torch.Tensor | None = None  # int32 [B, W] host sampling's mask (None: no masked row)
+    # SampleDeferred on a spec step: its program's inputs and output, enqueued with the mask. Verification
+    # samples inside the one program (no split spec program), and nothing is left to wait for: a masked
+    # request under speculation is scheduled only once its step in flight was applied.
+    deferred: tuple[dict[str, object], TensorSpec] | None = None
 
 
 class ModelRunner:
@@ -216,6 +222,10 @@ class ModelRunner:
             if model_input.logprobs is not None:  # then the logprobs, the whole packed as float32
                 columns, dtype = columns + model_input.logprobs.layout.width, PACKED_DTYPE
             out = TensorSpec((num_rows, columns), dtype)
+            if split:  # the whole program waits for the mask (ExecutedStep.deferred)
+                deferred = ({**model_input.inputs, **fed}, out)
+                self._executed = ExecutedStep(scheduled, model_input, None, trace, split, deferred=deferred)
+                return
             future = self.runtime.enqueue(SPEC_STEP_PROGRAM, {**model_input.inputs, **fed, **mask}, out)
         elif split:  # SampleDeferred: the forward now; sample_tokens samples its logits under the mask
             # The prompt's logprob blocks, when asked, come after each row's logits (StepProgram.forward_logits).
@@ -287,14 +297,19 @@ class ModelRunner:
         if executed.split:
             assert grammar_bitmask is not None
             mask = self._token_bitmask(executed.scheduled.step_id, grammar_bitmask, model_input)
-            # The sampling program's inputs: all but the forward's own (the prompt's targets went into its blocks).
-            sampling = {k: v for k, v in model_input.inputs.items() if k not in ("input_ids", "prompt_targets")}
-            if model_input.logprobs is not None:  # packed as the fused program's: tokens, then the logprobs
-                out = TensorSpec((model_input.num_rows, 1 + model_input.logprobs.layout.width), PACKED_DTYPE)
-            elif (out := self._sampled_specs.get(model_input.num_rows)) is None:
-                out = self._sampled_specs[model_input.num_rows] = TensorSpec((model_input.num_rows,), SAMPLED_DTYPE)
-            future = self.runtime.enqueue(SAMPLE_PROGRAM, {"logits": executed.future, **sampling, **mask}, out)
+            if executed.deferred is not None:  # a spec step: verification samples in its one program
+                inputs, out = executed.deferred
+                future = self.runtime.enqueue(SPEC_STEP_PROGRAM, {**inputs, **mask}, out)
+            else:
+                # The sampling program's inputs: all but the forward's own (the prompt's targets went into its blocks).
+                sampling = {k: v for k, v in model_input.inputs.items() if k not in ("input_ids", "prompt_targets")}
+                if model_input.logprobs is not None:  # packed as the fused program's: tokens, then the logprobs
+                    out = TensorSpec((model_input.num_rows, 1 + model_input.logprobs.layout.width), PACKED_DTYPE)
+                elif (out := self._sampled_specs.get(model_input.num_rows)) is None:
+                    out = self._sampled_specs[model_input.num_rows] = TensorSpec((model_input.num_rows,), SAMPLED_DTYPE)
+                future = self.runtime.enqueue(SAMPLE_PROGRAM, {"logits": executed.future, **sampling, **mask}, out)
             executed = ExecutedStep(executed.scheduled, model_input, future, executed.trace)
+        assert executed.future is not None
         snapshot = StepSnapshot(executed.scheduled.step_id, model_input.req_ids, model_input.sample_positions)
         logprobs = model_input.logprobs
         host_sampler = None
