@@ -1,6 +1,7 @@
 """`response_format` and vLLM's `structured_outputs` against a real `serve` process, through the official
 `openai` client: completions and chat, streamed and not, every output satisfying its constraint and equal
-to the offline LLM's for the same seed; a schema that does not compile is a 400 naming the field."""
+to the offline LLM's for the same seed; a schema that does not compile is a 400 naming the field; under
+draft_model speculation, the greedy constrained output of the offline LLM without it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 from support.grammar_model import CHOICES, MAX_TOKENS, PERSON, REGEX, write_json_model
-from support.serve_harness import serve_fixtures
+from support.serve_harness import ServerProcess, serve_fixtures
 from tokenizers import Tokenizer
 
 from neuron_async_sm import LLM, SamplingParams
@@ -31,9 +32,11 @@ def client(server) -> openai.OpenAI:
     return server.client()
 
 
-def offline_text(model: str, prompt_ids: list[int], structured: StructuredOutputsParams) -> str:
+def offline_text(
+    model: str, prompt_ids: list[int], structured: StructuredOutputsParams, sampled: dict = SAMPLED
+) -> str:
     with LLM(model, device="cpu-inprocess", max_model_len=160, max_num_seqs=4, decode_buckets=(1, 2, 4)) as llm:
-        params = SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=structured, **SAMPLED)
+        params = SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=structured, **sampled)
         [out] = llm.generate([prompt_ids], params)
     return Tokenizer.from_file(f"{model}/tokenizer.json").decode(out.output_token_ids)
 
@@ -104,3 +107,23 @@ def test_a_constraint_that_does_not_compile_is_a_400_naming_the_field(client, mo
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=model, prompt="go", max_tokens=8, extra_body=extra)
     assert caught.value.body["param"] == param, caught.value.body
+
+
+def test_a_response_format_under_draft_model_speculation_gives_the_greedy_constrained_output(model, tmp_path):
+    """It used to be a 400 naming structured_outputs: the drafts the device proposes are cut on the host."""
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}  # the target as its own draft
+    server = ServerProcess(tmp_path, model, *FLAGS, "--speculative-config", json.dumps(spec))
+    try:
+        client = server.client()
+        prompt = "a person:"
+        kwargs = dict(model=model, prompt=prompt, max_tokens=MAX_TOKENS, extra_body={"response_format": SCHEMA_FORMAT})
+        response = client.completions.create(**kwargs, temperature=0.0)
+        chunks = list(client.completions.create(stream=True, **kwargs, temperature=0.0))
+    finally:
+        assert server.terminate() == 0, server.log()
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert response.choices[0].finish_reason == "stop" and streamed == response.choices[0].text
+    jsonschema.validate(json.loads(response.choices[0].text), PERSON)
+    ids = Tokenizer.from_file(f"{model}/tokenizer.json").encode(prompt).ids
+    greedy = offline_text(model, ids, StructuredOutputsParams(json=PERSON), {"temperature": 0.0})
+    assert response.choices[0].text == greedy
