@@ -234,3 +234,64 @@ def test_traces_of_hypothesis_draft_model_examples_are_behaviours_of_async_sched
         verdict = check_trace(trace, timeout_s=600)
         print(f"{path.name}: {verdict.describe()} {dict(steps)}")
         assert verdict.accepted, f"{path.name}: {verdict.describe()}"
+
+
+# -- a drafter on the device and grammars: drafts cut on the host, a masked request one step at a time --
+
+
+@pytest.fixture(scope="module")
+def constrained_drafted(tlc_available, tmp_path_factory) -> list[dict]:
+    """Two masked requests and an unmasked one under draft_model: the masked ones sit out every step
+    after each of their own, their drafts are cut by their grammars, and the last one left alone
+    defers its whole spec program for its mask (SampleDeferred after its own step, applied)."""
+    pytest.importorskip("llguidance")
+    from support.grammar_model import CONSTRAINTS, write_json_model  # noqa: PLC0415 (the grammar model's deps)
+
+    root = tmp_path_factory.mktemp("constrained-draft-trace")
+    target = write_json_model(root / "target")
+    draft = write_noisy_copy(target, root / "draft", 0.01)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    path = root / "constrained.ndjson"
+    engine = dict(device="cpu-inprocess", max_model_len=160, max_num_seqs=4, decode_buckets=(1, 2, 4))
+    loose = {"regex": "[^\\n{}]{8,20}"}  # most of the model's tokens fit: drafts kept, some accepted
+    with LLM(str(target), async_scheduling=True, speculative_config=spec, trace_path=str(path), **engine) as llm:
+        llm.add_request([1, 5, 6], SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=loose), "m0")
+        llm.add_request([1, 7, 8, 9], SamplingParams(max_tokens=12, temperature=0.0), "u0")
+        llm.add_request(
+            [1, 9], SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=CONSTRAINTS[2].params), "m1"
+        )
+        while llm.has_unfinished_requests():
+            llm.step()
+    return read_trace(path)
+
+
+def test_trace_of_a_draft_model_run_with_grammars_is_a_behaviour_of_async_scheduling(constrained_drafted):
+    """Not vacuous: a masked request left out of a step while it runs, rows whose drafts a grammar cut
+    (fewer than k), spec steps that defer for their mask and ones that build it at launch. A mask one
+    run behind (from the grammar before the row's previous run) fails FreshMaskInv."""
+    events = constrained_drafted
+    steps = [e for e in events if e["event"] == "step"]
+    assert any("m0" not in e["req_ids"] and "u0" in e["req_ids"] for e in steps), "m0 never sat out"
+    cut = [d for e in steps for r, d in zip(e["req_ids"], e["drafts"], strict=True) if r != "u0" and d < 3]
+    launches = Counter(e["state"] for e in events if e["event"] == "launch")
+    assert cut and launches[sm.SAMPLE_DEFERRED] and launches[sm.SAMPLE_IN_PROGRAM], (cut, launches)
+    verdict = check_trace(events)
+    print(f"draft_model run with grammars ({dict(launches)}): {verdict.describe()}")
+    assert verdict.accepted, verdict.describe()
+
+    # The last mask built from the grammar one run behind: the grammar before the request's previous run.
+    i = max(i for i, e in enumerate(events) if e["event"] == "mask" and e["masks"][0][1] > 1)
+    req_id, grammar, index = events[i]["masks"][0]
+    runs = [
+        len(run)
+        for e in events[:i]
+        if e["event"] == "Materialize"
+        for r, run in zip(e["req_ids"], e["runs"], strict=True)
+        if r == req_id
+    ]
+    wrong = [dict(e) for e in events]
+    wrong[i]["masks"] = [[req_id, grammar - runs[-1], index]]
+    verdict = check_trace(wrong)
+    print(f"stale mask: {verdict.describe()}")
+    assert verdict.violated_invariant == "FreshMaskInv", verdict.describe()
+    assert verdict.rejected_event == wrong[i], verdict.describe()

@@ -380,6 +380,7 @@ def trace_log_module(
         f"TraceOut == {function(trace.values, [])}",  # per request: token values by output index
         f"TraceDeviceDrafter == {tla(trace.drafter)}",
         f"TraceRunStart == {function(trace.run_starts or {}, [])}",  # device drafter: per row k, its run's start
+        f"TraceNumSpecTokens == {trace.config.get('num_speculative_tokens', 0)}",  # k (0: no speculation)
         f"TracePoison == {POISON_TOKEN}",
         f"TraceEngineThread == {tla(threads[0])}",
         f"TraceAdmittedAt == {function(admitted_at)}",

@@ -316,6 +316,11 @@ Abort(r) ==
 IsRunning(r) == status[r] = "running"
 IsWaiting(r) == status[r] = "waiting"
 Schedulable(r) == phase[r] = "prefill" \/ Len(delivered[r]) + placeholders[r] < MaxTokens[r]
+\* Under speculation a request with a grammar runs one step at a time (Scheduler._spec_row): its drafts
+\* and its mask rows need its newest token, so it sits out while a step of it is in flight. It keeps
+\* its slot meanwhile (not Released: its next step comes).
+OneStepAtATime(r) == r \in Constrained /\ (HostDrafter \/ DeviceDrafter) => placeholders[r] = 0
+MayRun(r) == Schedulable(r) /\ OneStepAtATime(r)
 
 \* With the relay on, a request whose last token is in flight gives its KV slot back when our
 \* scheduler leaves it out (scheduler._release_slot): it no longer holds a slot and leaves the
@@ -328,13 +333,13 @@ Schedules ==
         wait == SelectSeq(Requests, IsWaiting)
         HoldsSlot(r) == r \notin Released
         maxAdmit == Min(Len(wait), MaxSeqs - Len(SelectSeq(run, HoldsSlot)))
-        Choice(j, k) == [order |-> SelectSeq(SubSeq(run, 1, j), Schedulable) \o SubSeq(wait, 1, k),
+        Choice(j, k) == [order |-> SelectSeq(SubSeq(run, 1, j), MayRun) \o SubSeq(wait, 1, k),
                          admitted |-> SubSeq(wait, 1, k),
                          full |-> j = Len(run) /\ k = maxAdmit]
         choices == {Choice(j, k) : j \in 0..Len(run), k \in 0..maxAdmit}
         valid == {c \in choices : /\ c.order # <<>>
                                   /\ Len(c.admitted) > 0 => \A i \in 1..Len(run) : run[i] \in Range(c.order)
-                                                                                   \/ ~Schedulable(run[i])
+                                                                                   \/ ~MayRun(run[i])
                                   /\ ~c.full => \E i \in DOMAIN c.order : phase[c.order[i]] = "prefill"}
         Last(c) == c.order[Len(c.order)]
         \* A prefill request completes (samples its first token) unless it is the last one served
@@ -391,18 +396,27 @@ InputSource(path) ==
 SpecOffChoices(scheduled) ==
     IF DeviceDrafter THEN SUBSET {r \in scheduled : phase[r] = "decode"} ELSE {{}}
 
+\* With a device drafter, the decode rows under a grammar whose drafts the scheduler cut this step
+\* (to the grammar-valid prefix: Scheduler._grammar_drafts): to none (`zero`, a one-token row) or to
+\* fewer than k (`some`). For this step only: the next row of the request may verify k again.
+CutChoices(scheduled) ==
+    LET C == {r \in scheduled \cap Constrained : phase[r] = "decode"}
+    IN IF DeviceDrafter THEN {x \in [zero : SUBSET C, some : SUBSET C] : x.zero \cap x.some = {}}
+       ELSE {[zero |-> {}, some |-> {}]}
+
 \* What the worker makes of one scheduler choice: the row order after update, the observation,
 \* and the path the machine takes. Building the set evaluates every plan completely. `off`: the
-\* requests whose speculation turns off now (SpecOffChoices).
-Plan(sch, off) ==
+\* requests whose speculation turns off now (SpecOffChoices); `cut`: the rows whose drafts a grammar
+\* cut (CutChoices).
+Plan(sch, off, cut) ==
     LET scheduled == Range(sch.order)
         order == NextRowOrder(rows, (finishedIds \cup Released) \cap Range(rows), sch.admitted)
         InStep(r) == r \in scheduled
         curr == SelectSeq(order, InStep)
         \* a one-token decode row; with a device drafter, a decode row verifies drafts until it is plain
         Plain(r) == phase[r] = "plain" \/ r \in off \/ (~DeviceDrafter /\ phase[r] = "decode")
-        allDecode == \A r \in scheduled : Plain(r)
-        allSpec == \A r \in scheduled : phase[r] = "decode" /\ ~Plain(r)
+        allDecode == \A r \in scheduled : Plain(r) \/ r \in cut.zero
+        allSpec == \A r \in scheduled : phase[r] = "decode" /\ ~Plain(r) /\ r \notin cut.zero \cup cut.some
         sampling == scheduled \ sch.partial
         o == Observation(curr, allDecode, allSpec)
     IN [path |-> Decide(o), obs |-> o, order |-> order, curr |-> curr, allDecode |-> allDecode,
@@ -417,7 +431,8 @@ Plan(sch, off) ==
 \* The scheduler choices the worker may see: all of them. (Trace validation overrides it with the
 \* ones whose request set its next step event shows, so that only those are planned.)
 ScheduleChoices == Schedules
-Plans == UNION {{Plan(sch, off) : off \in SpecOffChoices(Range(sch.order))} : sch \in ScheduleChoices}
+Plans == UNION {{Plan(sch, off, cut) : off \in SpecOffChoices(Range(sch.order)), cut \in CutChoices(Range(sch.order))}
+                : sch \in ScheduleChoices}
 
 \* Hazard: unbounded pipeline. A full batch queue waits for its oldest output (WaitOldest) instead.
 StepReady == pc["main"] = "top" /\ (Len(batchQueue) < Depth \/ ~BatchQueueBounded)

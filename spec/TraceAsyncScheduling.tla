@@ -113,13 +113,32 @@ TraceMayStop ==
 \* the scheduler reserved no drafts for (pruning and the trace's fact: one choice).
 TraceSpecOffChoices(scheduled) ==
     IF ~TraceDeviceDrafter \/ ~NextIs({"step"}) THEN {{}}
-    ELSE {{r \in scheduled : phase[r] = "decode" /\ Ev.drafts[IndexOf(Ev.req_ids, r)] = 0}}
+    ELSE {{r \in scheduled \ TraceConstrained : phase[r] = "decode" /\ Ev.drafts[IndexOf(Ev.req_ids, r)] = 0}}
+
+\* With a drafter on the device, a row under a grammar with fewer drafts than k had them cut this step
+\* (speculation turned off for good is, for such a row, a cut to none at every later step: the same
+\* one-token rows).
+TraceCutChoices(scheduled) ==
+    LET C == {r \in scheduled \cap TraceConstrained : phase[r] = "decode"}
+        D(r) == Ev.drafts[IndexOf(Ev.req_ids, r)]
+    IN IF ~TraceDeviceDrafter \/ ~NextIs({"step"}) THEN {[zero |-> {}, some |-> {}]}
+       ELSE {[zero |-> {r \in C : D(r) = 0}, some |-> {r \in C : 0 < D(r) /\ D(r) < TraceNumSpecTokens}]}
+
+\* The real output index of the token abstract token k of r is sampled first: k - 1, or with a drafter
+\* on the device the start of row k's run (its request's real tokens before it).
+TraceRealIndex(r, k) == IF TraceDeviceDrafter THEN TraceRunStart[r][k] ELSE k - 1
 
 \* The grammar state each masked row's mask came from, as the engine logged it (its `mask` event);
-\* a masked request the event leaves out had finished: no grammar row.
+\* a masked request the event leaves out had finished: no grammar row. With a drafter on the device
+\* the engine logs real token counts: a mask from the grammar after the row's real tokens before it
+\* stands for the abstract k - 1, any other for k (stale: MaskFresh fails).
 TraceStepMask(c) ==
     LET Logged(r) == {m \in Range(Ev.masks) : m.req = r}
-    IN [r \in c.masked |-> IF Logged(r) = {} THEN NoGrammar ELSE (CHOOSE m \in Logged(r) : TRUE).grammar]
+        Abstract(r, g) ==
+            LET k == c.outIdx[IndexOf(c.curr, r)]
+            IN IF ~TraceDeviceDrafter THEN g ELSE IF g = TraceRealIndex(r, k) THEN k - 1 ELSE k
+    IN [r \in c.masked |-> IF Logged(r) = {} THEN NoGrammar
+                           ELSE Abstract(r, (CHOOSE m \in Logged(r) : TRUE).grammar)]
 
 \* Only scheduler choices with the request set of the next step event are planned (pruning only).
 TraceScheduleChoices ==
@@ -166,7 +185,7 @@ MaskEvent(e) ==
     /\ e.step = Len(steps)
     /\ BuildMask
     \* each logged row is a masked row of the step, at the output index this spec has it sample
-    /\ \A m \in Range(e.masks) : m.req \in cur.masked /\ m.index + 1 = cur.outIdx[IndexOf(cur.curr, m.req)]
+    /\ \A m \in Range(e.masks) : m.req \in cur.masked /\ m.index = TraceRealIndex(m.req, cur.outIdx[IndexOf(cur.curr, m.req)])
     /\ UNCHANGED <<engineCounts, pathCounts>>
 
 ReinstateEvent(e) ==
