@@ -856,6 +856,9 @@ HostDraftStepsUnreached ==
 SpecSteadyThenExitUnreached ==
     ~/\ DeviceDrafter
      /\ \E s, t \in DOMAIN Paths : s < t /\ Paths[s] = "SpecSteady" /\ Paths[t] = "SpecExit"
+\* With a device drafter and a grammar: a spec step whose masked row's newest token is in the pending
+\* step (its own, applied after an empty schedule) defers its sampling; its program waits for the mask.
+DeferredSpecStepUnreached == ~(DeviceDrafter /\ mstate = "SampleDeferred")
 \* Every path state the relay switch allows (with it on, Relay takes every fallback's place), an
 \* abort and an EOS, in one behaviour.
 EveryPathStateUnreached ==

@@ -119,7 +119,7 @@ def spec_warmup_calls(config: EngineConfig) -> list[WarmupCall]:
     graph depends on its input's rows alone, which equal the step's. Greedy and sampled rows run one
     graph on a compiling device (`SpecStepProgram`). With `config.sampling_extras` each call runs once
     more with the extras' inputs (a fed step has the same rows as the step that fed it, so the same
-    variant). Not warmed: structured output's mask (n-gram)."""
+    variant). Not warmed: structured output's mask (n-gram, draft_model)."""
     spec = config.speculative_config
     assert spec is not None
     fed = config.async_scheduling and spec.method == "draft_model"
