@@ -164,19 +164,23 @@ def test_without_sampling_extras_warm_up_is_the_plain_programs_and_such_requests
         assert [len(o.output_token_ids) for o in llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))] == [2]
 
 
-def test_grammars_enqueue_no_signature_warm_up_did_not(tmp_path):
-    """With a tokenizer the engine takes structured output: warm-up adds the masked variant and the
-    deferred step's forward and sampling, so constrained requests among free ones (fused and
-    deferred sampling, Steady and Relay) enqueue nothing new."""
+@pytest.fixture(scope="module")
+def json_model(tmp_path_factory) -> str:
     pytest.importorskip("llguidance")
-    from support.grammar_model import CONSTRAINTS, write_json_model
+    from support.grammar_model import write_json_model
 
-    model = str(write_json_model(tmp_path / "json-model"))
-    log = SignatureLog()
-    rng = random.Random(5)
-    requests = [
+    return str(write_json_model(tmp_path_factory.mktemp("json-model")))
+
+
+def constrained_requests(seed: int, count: int, max_prompt: int = 12) -> list[PromptRequest]:
+    """Constrained requests (sampled, seeded) among free ones, arriving at different steps; a prompt
+    of up to 1 + max_prompt tokens (longer than the token budget: chunked, its first chunk unmasked)."""
+    from support.grammar_model import CONSTRAINTS
+
+    rng = random.Random(seed)
+    return [
         PromptRequest(
-            [1, *rng.choices(range(3, 300), k=rng.randint(1, 12))],
+            [1, *rng.choices(range(3, 300), k=rng.randint(1, max_prompt))],
             SamplingParams(
                 max_tokens=16,
                 temperature=1.0,
@@ -186,10 +190,23 @@ def test_grammars_enqueue_no_signature_warm_up_did_not(tmp_path):
             f"r{i}",
             arrival_step=rng.randint(0, 12),
         )
-        for i in range(9)
+        for i in range(count)
     ]
-    config = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, prefill_buckets=(16,))
-    with LLM(model, device="accelerator", decode_buckets=(1, 2, 4), runtime_factory=log, **config) as llm:
+
+
+GRAMMAR_SHAPES = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, prefill_buckets=(16,))
+
+
+@pytest.mark.parametrize("sampling_extras", [True, False], ids=["extras", "no-extras"])
+def test_grammars_enqueue_no_signature_warm_up_did_not(json_model, sampling_extras):
+    """With a tokenizer the engine takes structured output: warm-up adds the masked variant and the
+    deferred step's forward and sampling, so constrained requests among free ones (fused and
+    deferred sampling, Steady and Relay) enqueue nothing new; with --no-sampling-extras too, where a
+    grammar's step carries no extras."""
+    log = SignatureLog()
+    requests = constrained_requests(5, 9)
+    config = dict(GRAMMAR_SHAPES, decode_buckets=(1, 2, 4), sampling_extras=sampling_extras)
+    with LLM(json_model, device="accelerator", runtime_factory=log, **config) as llm:
         warmed = set(log.calls)
         started = len(log.calls)
         outputs = llm.generate(requests)
@@ -197,4 +214,28 @@ def test_grammars_enqueue_no_signature_warm_up_did_not(tmp_path):
     served = set(log.calls[started:])
     assert all(o.error is None for o in outputs), [o.error for o in outputs]
     assert stats["deferred_steps"] > 0 and stats["state_counts"]["Relay"] > 0, stats
+    masked = {s for s in served if any(k == "token_bitmask" for k, *_ in s[1])}
+    assert masked and served - masked, "the workload ran no masked step, or no unmasked one"
+    assert served - warmed == set(), "serving enqueued a signature warm-up did not compile"
+
+
+@pytest.mark.parametrize("sampling_extras", [True, False], ids=["extras", "no-extras"])
+def test_grammars_under_ngram_speculation_enqueue_no_signature_warm_up_did_not(json_model, sampling_extras):
+    """Under n-gram a constrained row's spec step carries its mask, one row per verified position
+    (`[rows, 1 + k, words]`): warm-up runs that variant of every spec call, so constrained requests
+    among free ones enqueue nothing new. Sync: under n-gram async runs the same spec calls (every
+    step with a pending future materializes it first, and a masked step is never deferred)."""
+    log = SignatureLog()
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    config = dict(GRAMMAR_SHAPES, speculative_config=spec, sampling_extras=sampling_extras, async_scheduling=False)
+    with LLM(json_model, device="accelerator", runtime_factory=log, **config) as llm:
+        warmed = set(log.calls)
+        started = len(log.calls)
+        outputs = llm.generate(constrained_requests(7, 8, max_prompt=24))
+        stats = llm.stats()
+    served = set(log.calls[started:])
+    assert all(o.error is None for o in outputs), [o.error for o in outputs]
+    assert stats["spec_decode"]["num_spec_rows"] > 0, stats["spec_decode"]  # rows verified drafts
+    masked = {s for s in served if any(k == "token_bitmask" for k, *_ in s[1])}
+    assert masked and served - masked, "the workload ran no masked step, or no unmasked one"
     assert served - warmed == set(), "serving enqueued a signature warm-up did not compile"

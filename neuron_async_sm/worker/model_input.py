@@ -133,12 +133,13 @@ def row_inputs(
     """The step's RowInputs: the batch's cached ones when the rows and the padding are the same.
 
     `one_extras_variant` (a device that compiles per shape): a step where some row processes its
-    logits, asks for logprobs or samples under a grammar carries the processing inputs (neutral in
-    the rows that use none) and the sampled tokens' logprobs at `max_logprobs` top tokens (each row
-    reads those it asked for, none when it asked for none), and prompt logprobs come at
-    `max_logprobs` too: what the program computes then depends on the shape alone, one variant per
-    shape (and one with a mask), which warm-up compiles (engine/warmup.py). Otherwise every count and
-    combination would be a program of its own, compiled the first time serving meets it."""
+    logits, asks for logprobs or (with `config.sampling_extras`) samples under a grammar carries the
+    processing inputs (neutral in the rows that use none) and the sampled tokens' logprobs at
+    `max_logprobs` top tokens (each row reads those it asked for, none when it asked for none), and
+    prompt logprobs come at `max_logprobs` too: what the program computes then depends on the shape
+    alone, one variant per shape (and one with a mask), which warm-up compiles (engine/warmup.py).
+    Otherwise every count and combination would be a program of its own, compiled the first time
+    serving meets it."""
     cached = batch.row_inputs_cache
     if isinstance(cached, RowInputs) and cached.num_padded == num_padded and cached.req_ids == req_ids:
         return cached
@@ -154,8 +155,10 @@ def row_inputs(
     prompt_len = batch.num_prompt_tokens[slots] - batch.output_base[slots]  # [R] the original prompt
     logprob_counts, prompt_counts = batch.logprob_counts[slots], batch.prompt_logprob_counts[slots]
     top, prompt_top = top_count(logprob_counts), top_count(prompt_counts)
-    # A grammar's step carries them too: its mask is one variant more, not two (warm-up).
-    always = one_extras_variant and (top != NONE or any(p.structured_outputs is not None for p in params))
+    # A grammar's step carries them too where the engine takes extras: its mask is one variant more,
+    # not two (warm-up). Without extras (sampling_extras off) it carries none: the mask alone.
+    grammar = config.sampling_extras and any(p.structured_outputs is not None for p in params)
+    always = one_extras_variant and (top != NONE or grammar)
     processing = processing_inputs(params, prompt_len, num_padded, batch.eos_token_ids, always=always)
     if one_extras_variant:
         top = config.max_logprobs if processing else NONE
