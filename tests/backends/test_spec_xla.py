@@ -1,7 +1,9 @@
 """Speculative decoding on XLA (docs/backends.md, "Speculative decoding on a compiling device"): greedy
 tokens with speculation equal the CPU device's without it (n-gram and draft_model), seeded async equals
-sync, sampling extras under speculation give the CPU device's tokens and logprobs, and nothing
-compiles after warm-up (the spec step is one graph per input shape and variant, fed or not).
+sync, sampling extras under speculation give the CPU device's tokens and logprobs, constrained
+requests under n-gram (a grammar's mask per verified position) give the CPU device's tokens without
+speculation, and nothing compiles after warm-up (the spec step is one graph per input shape and
+variant, fed or not, masked or not).
 
 XLA only: the other backends run the same program eagerly in tests/test_spec_*.py. Few shapes (one
 prefill bucket, two rows at most), so warm-up compiles 2 graphs for n-gram and 4 for draft_model; the
@@ -17,7 +19,9 @@ import random
 
 import pytest
 from device_work import one_graph_per_program
+from support.grammar_model import CONSTRAINTS, write_json_model
 from support.workloads import assert_matches, drive, greedy, random_workload
+from tokenizers import Tokenizer
 
 from neuron_async_sm import LLM, PromptRequest, SamplingParams
 from neuron_async_sm.bench.checkpoint import MICRO_LLAMA_CONFIG, write_checkpoint, write_noisy_copy
@@ -127,3 +131,44 @@ def test_speculation_with_penalties_and_logprobs_on_xla_gives_the_cpu_tokens_and
             assert (ours.token_id, ours.rank, ours.top_ids) == (theirs.token_id, theirs.rank, theirs.top_ids)
             assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-6)  # float64 logits
             assert ours.top_logprobs == pytest.approx(theirs.top_logprobs, abs=1e-6)
+
+
+# In each constraint's language (the grammar test model's corpus): n-gram finds drafts in the prompt.
+CONSTRAINED_PROMPTS = (
+    '{"name": "abc", "age": 12}',
+    "ab-12 bc-345",
+    "yes no maybe",
+    '{"ok": true, "tag": "red"}',
+    "(1+2)",
+)
+
+
+def test_constrained_requests_under_ngram_on_xla_compile_nothing_and_give_the_cpu_tokens(xla, tmp_path_factory):
+    """Structured output under n-gram: a constrained row's spec step carries its mask, one row per
+    verified position (`[rows, 1 + k, words]`), and the sampling extras (the default config). Warm-up
+    compiles that variant of every spec shape, so serving compiles nothing and runs each step as one
+    graph; greedy tokens are the CPU device's without speculation. Sync: under n-gram async runs the
+    same spec calls (a pending step is materialized first; a masked step is never deferred)."""
+    model = str(write_json_model(tmp_path_factory.mktemp("json-model"), num_hidden_layers=1))
+    tokenizer = Tokenizer.from_file(f"{model}/tokenizer.json")
+    requests = [
+        PromptRequest(
+            [1, *tokenizer.encode(text).ids], SamplingParams(max_tokens=40, structured_outputs=c.params), f"c{i}"
+        )
+        for i, (text, c) in enumerate(zip(CONSTRAINED_PROMPTS, CONSTRAINTS, strict=True))
+    ]
+    shapes = {**SHAPES, "sampling_extras": True, "async_scheduling": False}
+    with LLM(model, device="cpu-inprocess", **shapes) as cpu:
+        references = cpu.generate(requests)
+    spec = {"method": "ngram", "num_speculative_tokens": K}
+    with LLM(model, device=xla, speculative_config=spec, **shapes) as llm:
+        warmed = llm.engine.runtime.warmup_report
+        with one_graph_per_program(xla, llm.engine.runtime):
+            outputs = llm.generate(requests)
+        stats = llm.stats()
+    assert stats["compilations"] == 0, "a program was compiled while serving: warm-up missed a graph"
+    assert sum(r.compilations for r in warmed if r.label.endswith("a mask")) > 0, warmed
+    assert stats["spec_decode"]["num_accepted_tokens"] > 0, stats["spec_decode"]
+    for got, reference, constraint in zip(outputs, references, CONSTRAINTS, strict=True):
+        assert (got.output_token_ids, got.finish_reason) == (reference.output_token_ids, "stop"), got.request_id
+        constraint.check(tokenizer.decode(got.output_token_ids))
