@@ -223,11 +223,10 @@ def test_grammars_enqueue_no_signature_warm_up_did_not(json_model, sampling_extr
 def test_grammars_under_ngram_speculation_enqueue_no_signature_warm_up_did_not(json_model, sampling_extras):
     """Under n-gram a constrained row's spec step carries its mask, one row per verified position
     (`[rows, 1 + k, words]`): warm-up runs that variant of every spec call, so constrained requests
-    among free ones enqueue nothing new. Sync: under n-gram async runs the same spec calls (every
-    step with a pending future materializes it first, and a masked step is never deferred)."""
+    among free ones enqueue nothing new (async: a masked step is never deferred under speculation)."""
     log = SignatureLog()
     spec = {"method": "ngram", "num_speculative_tokens": 2}
-    config = dict(GRAMMAR_SHAPES, speculative_config=spec, sampling_extras=sampling_extras, async_scheduling=False)
+    config = dict(GRAMMAR_SHAPES, speculative_config=spec, sampling_extras=sampling_extras)
     with LLM(json_model, device="accelerator", runtime_factory=log, **config) as llm:
         warmed = set(log.calls)
         started = len(log.calls)

@@ -146,9 +146,9 @@ CONSTRAINED_PROMPTS = (
 def test_constrained_requests_under_ngram_on_xla_compile_nothing_and_give_the_cpu_tokens(xla, tmp_path_factory):
     """Structured output under n-gram: a constrained row's spec step carries its mask, one row per
     verified position (`[rows, 1 + k, words]`), and the sampling extras (the default config). Warm-up
-    compiles that variant of every spec shape, so serving compiles nothing and runs each step as one
-    graph; greedy tokens are the CPU device's without speculation. Sync: under n-gram async runs the
-    same spec calls (a pending step is materialized first; a masked step is never deferred)."""
+    compiles that variant of every spec shape, so serving (async: a pending step is materialized
+    first, HostDraftBreak; a masked step is never deferred) compiles nothing and runs each step as
+    one graph; greedy tokens are the CPU device's without speculation."""
     model = str(write_json_model(tmp_path_factory.mktemp("json-model"), num_hidden_layers=1))
     tokenizer = Tokenizer.from_file(f"{model}/tokenizer.json")
     requests = [
@@ -157,8 +157,8 @@ def test_constrained_requests_under_ngram_on_xla_compile_nothing_and_give_the_cp
         )
         for i, (text, c) in enumerate(zip(CONSTRAINED_PROMPTS, CONSTRAINTS, strict=True))
     ]
-    shapes = {**SHAPES, "sampling_extras": True, "async_scheduling": False}
-    with LLM(model, device="cpu-inprocess", **shapes) as cpu:
+    shapes = {**SHAPES, "sampling_extras": True}
+    with LLM(model, device="cpu-inprocess", async_scheduling=False, **shapes) as cpu:
         references = cpu.generate(requests)
     spec = {"method": "ngram", "num_speculative_tokens": K}
     with LLM(model, device=xla, speculative_config=spec, **shapes) as llm:
@@ -169,6 +169,7 @@ def test_constrained_requests_under_ngram_on_xla_compile_nothing_and_give_the_cp
     assert stats["compilations"] == 0, "a program was compiled while serving: warm-up missed a graph"
     assert sum(r.compilations for r in warmed if r.label.endswith("a mask")) > 0, warmed
     assert stats["spec_decode"]["num_accepted_tokens"] > 0, stats["spec_decode"]
+    assert stats["state_counts"]["HostDraftBreak"] > 0 and stats["deferred_steps"] == 0, stats
     for got, reference, constraint in zip(outputs, references, CONSTRAINTS, strict=True):
         assert (got.output_token_ids, got.finish_reason) == (reference.output_token_ids, "stop"), got.request_id
         constraint.check(tokenizer.decode(got.output_token_ids))
