@@ -219,13 +219,16 @@ def test_grammars_enqueue_no_signature_warm_up_did_not(json_model, sampling_extr
     assert served - warmed == set(), "serving enqueued a signature warm-up did not compile"
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("sampling_extras", [True, False], ids=["extras", "no-extras"])
-def test_grammars_under_ngram_speculation_enqueue_no_signature_warm_up_did_not(json_model, sampling_extras):
-    """Under n-gram a constrained row's spec step carries its mask, one row per verified position
-    (`[rows, 1 + k, words]`): warm-up runs that variant of every spec call, so constrained requests
-    among free ones enqueue nothing new (async: a masked step is never deferred under speculation)."""
+def test_grammars_under_speculation_enqueue_no_signature_warm_up_did_not(json_model, sampling_extras, method):
+    """Under speculation a constrained row's spec step carries its mask, one row per verified position
+    (`[rows, 1 + k, words]`): warm-up runs that variant of every spec call (fed too under draft_model,
+    async), so constrained requests among free ones enqueue nothing new."""
     log = SignatureLog()
-    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    spec = {"method": method, "num_speculative_tokens": 2}
+    if method == "draft_model":
+        spec["model"] = json_model  # the target as its own draft: every draft the target's argmax
     config = dict(GRAMMAR_SHAPES, speculative_config=spec, sampling_extras=sampling_extras)
     with LLM(json_model, device="accelerator", runtime_factory=log, **config) as llm:
         warmed = set(log.calls)
