@@ -42,9 +42,13 @@ def new_req(req_id: str, prompt: list[int], params: SimpleNamespace) -> SimpleNa
     )
 
 
-def step(scheduled: dict[str, int], new=(), cached=(), resumed=(), all_tokens=None, preempted=()) -> SimpleNamespace:
-    """vLLM's SchedulerOutput; `cached`: (req_id, num_computed) of running (or resumed) requests."""
+def step(
+    scheduled: dict[str, int], new=(), cached=(), resumed=(), all_tokens=None, preempted=(), spec=None
+) -> SimpleNamespace:
+    """vLLM's SchedulerOutput; `cached`: (req_id, num_computed) of running (or resumed) requests;
+    `spec`: its scheduled_spec_decode_tokens."""
     return SimpleNamespace(
+        scheduled_spec_decode_tokens=spec or {},
         finished_req_ids=set(),
         preempted_req_ids=set(preempted),
         scheduled_new_reqs=list(new),
@@ -114,3 +118,22 @@ def test_a_steps_grammar_rows_are_its_sampling_rows_of_requests_with_a_grammar()
     assert first.structured_output_req_ids == frozenset()  # g's first chunk samples nothing
     second = translator.translate(step({"g": 2, "p": 1}, cached=[("g", 4), ("p", 3)]))
     assert second.structured_output_req_ids == frozenset({"g"}) and second.sampling_req_ids == {"g", "p"}
+
+
+def test_vllms_scheduled_drafts_are_the_rows_drafts_and_real_ids_are_verified_as_sent():
+    translator = BatchTranslator(max_num_seqs=3, max_model_len=64, vocab_size=VOCAB, speculative=True)
+    prompts = {"a": [1, 5, 6], "b": [1, 7, 8], "c": [1, 9]}
+    translator.translate(
+        step({r: len(p) for r, p in prompts.items()}, new=[new_req(r, p, vllm_params()) for r, p in prompts.items()])
+    )
+    # synchronous: the drafts our worker proposed, cut by vLLM (b's to one); c had none
+    sync = translator.translate(
+        step({"a": 4, "b": 2, "c": 1}, cached=[("a", 3), ("b", 3), ("c", 2)], spec={"a": [4, 5, 6], "b": [9], "c": []})
+    )
+    assert sync.num_draft_tokens == {"a": 3, "b": 1}
+    assert sync.draft_token_ids == {"a": (4, 5, 6), "b": (9,)}
+    assert not sync.all_decode and sync.sampling_req_ids == {"a", "b", "c"}
+    # async: placeholders, counted (vLLM's optimistic computed tokens) but never verified as ids
+    fed = translator.translate(step({"a": 4, "b": 4}, cached=[("a", 7), ("b", 5)], spec={"a": [-1] * 3, "b": [-1] * 3}))
+    assert fed.num_draft_tokens == {"a": 3, "b": 3} and fed.draft_token_ids == {}
+    assert fed.num_computed_tokens == {"a": 7, "b": 5}

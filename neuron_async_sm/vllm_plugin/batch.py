@@ -12,6 +12,8 @@ leaves to the worker:
   prompt is every token it had, in a fresh slot.
 - Step boundaries. vLLM may send a step with nothing scheduled (only finished or preempted ids); our
   runner never sees an empty step, so those ids are held for the next step that runs.
+- Drafts. vLLM's scheduled drafts become our `num_draft_tokens` (and `draft_token_ids` when they
+  are real ids, sync): `spec_drafts`.
 The in-flight token is not here either: vLLM's async scheduler counts it (output placeholders) but
 never sends it. Our runner feeds it from the pending device future, as in our own engine.
 """
@@ -86,6 +88,25 @@ def _count(value: int | None, vocab_size: int | None) -> int | None:
     return vocab_size if value == -1 and vocab_size is not None else value
 
 
+def spec_drafts(scheduled: dict[str, list[int]] | None) -> tuple[dict[str, int], dict[str, tuple[int, ...]]]:
+    """vLLM's `scheduled_spec_decode_tokens` as our SchedulerOutput's: per request the drafts its row
+    verifies (`num_draft_tokens`), and the ids where vLLM sent real ones (`draft_token_ids`).
+
+    Synchronous, vLLM schedules the drafts our worker proposed after the previous step
+    (`take_draft_token_ids`), maybe cut (max_model_len, the token budget): the row verifies exactly
+    those. Async, it sends `-1` placeholders, one per draft it counts in flight: the count is vLLM's,
+    the ids are the device's (draft_model: the pending output's next_input, or its materialized drafts)."""
+    num_drafts: dict[str, int] = {}
+    draft_ids: dict[str, tuple[int, ...]] = {}
+    for req_id, tokens in (scheduled or {}).items():
+        if not tokens:
+            continue
+        num_drafts[req_id] = len(tokens)
+        if min(tokens) >= 0:  # real ids (a -1 is a placeholder)
+            draft_ids[req_id] = tuple(tokens)
+    return num_drafts, draft_ids
+
+
 def request_seed(req_id: str, params: Any, model_seed: int) -> int:
     """vLLM's seed when the request has one; otherwise one from the model seed and the request id, so
     that a request samples the same tokens in sync and async mode and on every rank."""
@@ -98,8 +119,11 @@ def request_seed(req_id: str, params: Any, model_seed: int) -> int:
 class BatchTranslator:
     """One rank's view of vLLM's steps as ours. Every rank translates the same steps the same way."""
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, vocab_size: int, model_seed: int = 0) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_model_len: int, vocab_size: int, model_seed: int = 0, *, speculative: bool = False
+    ) -> None:
         self.max_model_len = max_model_len
+        self.speculative = speculative
         self.vocab_size = vocab_size
         self.model_seed = model_seed
         self._free_slots = list(range(max_num_seqs))
@@ -159,6 +183,7 @@ class BatchTranslator:
         # bitmask comes with sample_tokens (worker.py), never with the step.
         masked = frozenset(r for r in sampling if known[r].structured)
         leaving, self._leaving = frozenset(self._leaving), set()
+        num_drafts, draft_ids = spec_drafts(step.scheduled_spec_decode_tokens)
         output = SchedulerOutput(
             step_id=self._next_step_id,
             num_scheduled_tokens=dict(scheduled),
@@ -166,7 +191,9 @@ class BatchTranslator:
             scheduled_new_reqs=new,
             finished_req_ids=leaving,
             sampling_req_ids=sampling,
-            all_decode=all_decode,
+            all_decode=all_decode and not self.speculative,  # a spec step's input is [rows, L], as our scheduler's
+            num_draft_tokens=num_drafts,
+            draft_token_ids=draft_ids,
             structured_output_req_ids=masked,
         )
         self._next_step_id += 1

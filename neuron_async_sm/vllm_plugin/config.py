@@ -16,12 +16,15 @@ from typing import Any
 
 import torch
 
-from neuron_async_sm.config import ConfigError, EngineConfig
+from neuron_async_sm.config import ConfigError, EngineConfig, SpeculativeConfig
 
 OPTIONS_KEY = "neuron_async_sm"  # additional_config[OPTIONS_KEY] holds PluginOptions' fields
 MIN_PREFILL_BUCKET = 16
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
+# vLLM's speculative methods our worker runs: n-gram drafts from the host's history (vLLM runs it
+# synchronous), a draft Llama in our device program (synchronous or async, drafts on the device).
+SPEC_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,6 @@ def engine_config(vllm_config: Any, options: PluginOptions, *, rank: int) -> Eng
         device=options.device,
         dtype=dtype,
         async_scheduling=bool(scheduler.async_scheduling),
-        async_relay=options.async_relay,
         max_num_seqs=max_num_seqs,
         max_model_len=model.max_model_len,
         max_num_batched_tokens=budget,
@@ -88,4 +90,26 @@ def engine_config(vllm_config: Any, options: PluginOptions, *, rank: int) -> Eng
         device_timeout_s=options.device_timeout_s,
         trace_path=options.trace_path if rank == 0 else None,  # the output rank's alone, as in our engine
         tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
+        speculative_config=speculative_config(vllm_config.speculative_config),
+        # the relay does not build speculative inputs: our config turns it off (with a warning if asked)
+        async_relay=options.async_relay and vllm_config.speculative_config is None,
     )
+
+
+def speculative_config(spec: Any) -> SpeculativeConfig | None:
+    """Our SpeculativeConfig from vLLM's (None: no speculation). vLLM has resolved its defaults (n-gram's
+    prompt_lookup_min/max: 5 and 5 when neither is given); a method we do not run is refused by name."""
+    if spec is None:
+        return None
+    if spec.method not in SPEC_METHODS:
+        raise ConfigError(
+            f"speculative_config.method: {spec.method!r} is not supported by this plugin; choose one of {SPEC_METHODS}"
+        )
+    if spec.method == "ngram":
+        return SpeculativeConfig(
+            method="ngram",
+            num_speculative_tokens=spec.num_speculative_tokens,
+            prompt_lookup_max=spec.prompt_lookup_max,
+            prompt_lookup_min=spec.prompt_lookup_min,
+        )
+    return SpeculativeConfig(method="draft_model", num_speculative_tokens=spec.num_speculative_tokens, model=spec.model)

@@ -73,18 +73,34 @@ def _sample_lists(rows: list[TokenLogprobs | None]) -> LogprobsLists:
     return LogprobsLists(ids, logprobs, ranks)
 
 
+def _spec_lists(runs: list[list[int]], rows: list[list[TokenLogprobs] | None]) -> LogprobsLists:
+    """Speculative decoding: one row per token of each request's run, the requests' runs one after the
+    other (`cu_num_generated_tokens`: where each request's rows start, as vLLM slices them)."""
+    flat: list[TokenLogprobs | None] = []
+    starts: list[int] = []
+    for run, row in zip(runs, rows, strict=True):
+        starts.append(len(flat))
+        flat.extend(row if row is not None else [None] * len(run))
+    lists = _sample_lists(flat)
+    return lists._replace(cu_num_generated_tokens=starts)
+
+
 def vllm_output(output: ModelRunnerOutput, step: SchedulerOutput, prompts: PromptLogprobs) -> VllmModelRunnerOutput:
-    """Our step output as vLLM's: one token per sampling request, none for a partial prefill chunk,
-    with the logprobs its requests asked for."""
+    """Our step output as vLLM's: per sampling request its tokens (one, or under speculation its
+    accepted drafts and one more: vLLM's scheduler reconciles its drafts and stops inside the run),
+    none for a partial prefill chunk, with the logprobs its requests asked for."""
     sampling = step.sampling_req_ids
     req_ids = list(output.req_ids)
-    tokens = [
-        [token] if req_id in sampling else [] for req_id, token in zip(req_ids, output.sampled_token_ids, strict=True)
-    ]
+    runs = output.spec_token_ids or [[token] for token in output.sampled_token_ids]
+    tokens = [list(run) if req_id in sampling else [] for req_id, run in zip(req_ids, runs, strict=True)]
+    if output.spec_logprobs is not None:
+        logprobs = _spec_lists(tokens, output.spec_logprobs)
+    else:
+        logprobs = _sample_lists(output.logprobs) if output.logprobs is not None else None
     return VllmModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
         sampled_token_ids=tokens,
-        logprobs=_sample_lists(output.logprobs) if output.logprobs is not None else None,
+        logprobs=logprobs,
         prompt_logprobs_dict=prompts.take(step, output),
     )

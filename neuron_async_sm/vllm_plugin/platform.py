@@ -8,15 +8,16 @@ modules are still importing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from neuron_async_sm.config import ConfigError
 from neuron_async_sm.sampling_params import InvalidRequestError
 from neuron_async_sm.vllm_plugin import PLUGIN_NAME, WORKER_CLS
 from neuron_async_sm.vllm_plugin.batch import sampling_params
-from neuron_async_sm.vllm_plugin.config import DTYPE_NAMES, PluginOptions
+from neuron_async_sm.vllm_plugin.config import DTYPE_NAMES, PluginOptions, speculative_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,6 +39,9 @@ class NeuronAsyncSMPlatform(Platform):
     device_type = "cpu"
     dispatch_key = "CPU"
     dist_backend = "gloo"
+    # The speculative method of the last configuration checked in this process (None: none), for
+    # validate_request, which vLLM calls without the configuration (front end and engine alike).
+    _speculation: ClassVar[str | None] = None
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -62,8 +66,7 @@ class NeuronAsyncSMPlatform(Platform):
                 f"{PLUGIN_NAME}: distributed_executor_backend {parallel.distributed_executor_backend!r} is not "
                 "supported; use 'mp' or 'uni'"
             )
-        if vllm_config.speculative_config is not None:
-            raise ValueError(f"{PLUGIN_NAME}: speculative decoding is not supported")
+        cls._speculation = check_speculation(vllm_config)
         if vllm_config.lora_config is not None:
             raise ValueError(f"{PLUGIN_NAME}: LoRA is not supported")
         if vllm_config.model_config.logprobs_mode != LOGPROBS_MODE:
@@ -89,6 +92,13 @@ class NeuronAsyncSMPlatform(Platform):
             value = getattr(params, name, default)
             if value != default and not (default is None and not value):
                 raise ValueError(f"{PLUGIN_NAME}: sampling parameter {name}={value!r} is not supported")
+        if cls._speculation is not None and getattr(params, "structured_outputs", None) is not None:
+            # vLLM verifies a grammar's drafts with one mask row per position, which our worker does not
+            # translate; our own engine takes grammars under n-gram only (docs/spec-decode.md §12).
+            raise ValueError(
+                f"{PLUGIN_NAME}: structured_outputs is not supported with speculative_config "
+                f"(method {cls._speculation!r}) under vLLM"
+            )
         try:
             sampling_params(params, params.max_tokens or max(1, params.min_tokens))
         except InvalidRequestError as exc:
@@ -130,3 +140,22 @@ class NeuronAsyncSMPlatform(Platform):
     @classmethod
     def get_current_memory_usage(cls, device: torch.device | None = None) -> float:
         return 0.0
+
+
+def check_speculation(vllm_config: VllmConfig) -> str | None:
+    """The speculative method vLLM was given (None: none), refused by name where our worker cannot run
+    it: another method (our SpeculativeConfig's check), or tensor parallelism (a non-output rank
+    drafts from the output rank's history, which our executor hands over and vLLM's does not)."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return None
+    try:
+        speculative_config(spec)
+    except ConfigError as exc:
+        raise ValueError(f"{PLUGIN_NAME}: {exc}") from exc
+    if vllm_config.parallel_config.tensor_parallel_size > 1:
+        raise ValueError(
+            f"{PLUGIN_NAME}: speculative_config with tensor_parallel_size > 1 is not supported: a non-output rank "
+            "builds its spec rows from the output rank's drafts, which vLLM's executors do not hand over"
+        )
+    return spec.method

@@ -22,7 +22,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds
 from vllm.v1.outputs import AsyncModelRunnerOutput as VllmAsyncModelRunnerOutput
 from vllm.v1.outputs import ModelRunnerOutput as VllmModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
@@ -42,6 +42,7 @@ from neuron_async_sm.vllm_plugin.engine_hooks import EVENTS_ATTR, GRAMMAR_TOKENS
 from neuron_async_sm.vllm_plugin.outputs import PromptLogprobs, vllm_output
 from neuron_async_sm.vllm_plugin.ranks import PeerDevices
 from neuron_async_sm.worker.async_output import AsyncModelRunnerOutput
+from neuron_async_sm.worker.drafts import host_drafts
 from neuron_async_sm.worker.model_runner import ModelRunner, relay_width
 
 logger = logging.getLogger("neuron_async_sm")
@@ -140,6 +141,7 @@ class NeuronAsyncSMWorker(WorkerBase):
         self._last_output: AsyncModelRunnerOutput | None = None
         self._step_of: dict[int, int] = {}  # traced runs: vLLM's step ordinal -> our step id
         self._last_log = time.monotonic()
+        self._sampled: frozenset[str] = frozenset()  # the requests the last step sampled for (their drafts next)
 
     # -- start-up -----------------------------------------------------------------------------------
 
@@ -185,7 +187,14 @@ class NeuronAsyncSMWorker(WorkerBase):
         if self.tp_size > 1:
             assert self._port is not None
             group = TensorParallelGroup(self.rank, self.tp_size, self._port, collective_timeout_s(config))
-        factory = StepProgramFactory(model_spec(config), relay_width(config), group)
+        spec = config.speculative_config
+        factory = StepProgramFactory(
+            model_spec(config),
+            relay_width(config),
+            group,
+            0 if spec is None else spec.width,
+            None if spec is None else spec.model,  # the draft, loaded by our loader beside the target
+        )
         with device_process_allowed():
             self.runtime = start_rank(config, factory, warmup_calls(config, model.vocab_size))
         self.peers = self._swap_device_pids() if self.tp_size > 1 else PeerDevices(self.rank)
@@ -203,7 +212,9 @@ class NeuronAsyncSMWorker(WorkerBase):
             output_thread=VLLM_OUTPUT_THREAD if mp else threading.current_thread().name,
             engine_core="vllm",
         )
-        self.translator = BatchTranslator(config.max_num_seqs, config.max_model_len, model.vocab_size, config.seed)
+        self.translator = BatchTranslator(
+            config.max_num_seqs, config.max_model_len, model.vocab_size, config.seed, speculative=spec is not None
+        )
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         """One full-attention spec per layer, this rank's KV heads: vLLM's block accounting only."""
@@ -223,7 +234,9 @@ class NeuronAsyncSMWorker(WorkerBase):
         max_model_len positions, plus the null block vLLM's block pool holds back. vLLM then never
         admits more than our slots hold; fewer blocks (num_gpu_blocks_override) force preemption."""
         spec = next(iter(self.get_kv_cache_spec().values()))
-        blocks_per_slot = -(-self.config.max_model_len // spec.block_size)
+        # Speculation: vLLM allocates a running request's blocks k positions ahead (its lookahead slots).
+        positions = self.config.max_model_len + self.vllm_config.num_lookahead_tokens
+        blocks_per_slot = -(-positions // spec.block_size)
         num_blocks = self.config.max_num_seqs * blocks_per_slot + 1
         return num_blocks * spec.page_size_bytes * self.model.num_hidden_layers
 
@@ -283,6 +296,7 @@ class NeuronAsyncSMWorker(WorkerBase):
                 self.runner.execute_model(dataclasses.replace(step, grammar_bitmask=bitmask))
             output = self.runner.sample_tokens(bitmask if self.runner.sampling_deferred else None)
         self.counter.created += 1  # one output per step, whatever the mode or rank
+        self._sampled = step.sampling_req_ids
         if isinstance(output, ModelRunnerOutput):  # sync mode, output rank: the tokens are here
             return vllm_output(output, step, self.prompts)
         if not self.runner.use_async_scheduling:
@@ -290,6 +304,20 @@ class NeuronAsyncSMWorker(WorkerBase):
         self._last_output = output
         # On a non-output rank vLLM never calls get_output(): our runner feeds its future forward.
         return VllmAsyncOutput(output, step, self.prompts, self.peers)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """Synchronous speculation: the drafts for each request the last step sampled for, which vLLM's
+        scheduler schedules in the next step (maybe cut) and our runner then verifies as given. n-gram:
+        our lookup over the request's history (`propose_ngram`; vLLM's own proposer takes the earliest
+        occurrence of the longest suffix, ours the latest, so this is our engine's drafts and tokens);
+        draft_model: the drafter's, brought home with the step's output. Async: never called (vLLM
+        counts placeholders, the device holds the drafts)."""
+        spec = self.config.speculative_config
+        if spec is None or self.runner.use_async_scheduling or not self._sampled:
+            return None
+        sampled, self._sampled = self._sampled, frozenset()
+        drafts = host_drafts(spec, self.runner.batch, sampled)
+        return DraftTokenIds(list(drafts), list(drafts.values()))
 
     def _bitmask(self, step: SchedulerOutput, grammar_output) -> GrammarBitmask | None:
         """vLLM's GrammarOutput as ours: int32 `[rows, ceil(V/32)]` in vLLM's row order, keyed by
@@ -343,6 +371,8 @@ class NeuronAsyncSMWorker(WorkerBase):
             "restarts": self.translator.restarts,
             "device_pid": getattr(self.runtime, "device_pid", None),  # None: the in-process device
         }
+        if self.config.speculative_config is not None:  # drafts our runner verified, rows that verified any
+            stats.update(num_draft_tokens=self.runner.num_draft_tokens, num_spec_rows=self.runner.num_spec_rows)
         if self.runner.use_async_scheduling:
             stats.update(self.runner.machine.counters())
         return stats

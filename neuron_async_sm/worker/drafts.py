@@ -17,7 +17,7 @@ as every step's input ids are (`model/parallel.py`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,6 +135,22 @@ def build_spec_model_input(
         logprobs = dataclasses.replace(logprobs, layout=dataclasses.replace(logprobs.layout, sampled=spec.width))
     model_input = dataclasses.replace(model_input, sample_positions=tuple(positions), inputs=inputs, logprobs=logprobs)
     return model_input, DraftedRows(scheduled.step_id, starts, drafts)
+
+
+def host_drafts(spec: SpeculativeConfig, batch: InputBatch, req_ids: Collection[str]) -> dict[str, list[int]]:
+    """Per request (those the batch still holds), the drafts its next row would verify, from what the
+    host has after a synchronous step: n-gram's lookup over its history, or the drafter's (draft_model).
+    vLLM's scheduler takes them after each step (the plugin's `take_draft_token_ids`)."""
+    spec_k, drafts = spec.num_speculative_tokens, {}
+    with batch.lock:
+        for req_id in sorted(req_ids):
+            state = batch.requests.get(req_id)
+            if state is None:
+                continue
+            slot = state.kv_slot
+            history = batch.token_ids[slot, : int(batch.num_tokens[slot])]
+            drafts[req_id] = _propose(spec, batch, slot, history, spec_k)
+    return drafts
 
 
 def _propose(spec: SpeculativeConfig, batch: InputBatch, slot: int, history: np.ndarray, budget: int) -> list[int]:

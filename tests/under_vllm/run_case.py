@@ -84,13 +84,15 @@ def _engine(ckpt: str, run: dict):
         num_gpu_blocks_override=run.get("num_gpu_blocks"),
         additional_config={"neuron_async_sm": run.get("options", {})},
         structured_outputs_config=run.get("structured_outputs_config"),
+        speculative_config=run.get("speculative_config"),
         seed=0,
         disable_log_stats=True,
     )
 
 
 def drive(llm, workload: list[dict]) -> dict:
-    """Requests arrive and are aborted at given engine steps; returns each request's tokens and finish."""
+    """Requests arrive and are aborted at given engine steps; returns each request's tokens and finish,
+    and `counts`: [engine step, tokens so far] at each step that delivered to it."""
     engine = llm.llm_engine
     pending = sorted(workload, key=lambda item: item.get("arrival", 0))
     aborts = {item["id"]: item["abort"] for item in workload if item.get("abort") is not None}
@@ -108,7 +110,10 @@ def drive(llm, workload: list[dict]) -> dict:
                 if not seen["finished"]:
                     seen.update(finish_reason="abort", finished=True)
         for out in engine.step():
+            counts = results.get(out.request_id, {}).get("counts", [])
+            counts.append([step, len(out.outputs[0].token_ids)])
             results[out.request_id] = {
+                "counts": counts,
                 "tokens": list(out.outputs[0].token_ids),
                 "text": out.outputs[0].text,
                 "finish_reason": out.outputs[0].finish_reason,
@@ -123,8 +128,11 @@ def drive(llm, workload: list[dict]) -> dict:
 
 
 def case_runs(args: dict) -> dict:
-    """Each run (an engine configuration) drives the workload (or its own) on a fresh engine, one after another."""
+    """Each run (an engine configuration) drives the workload (or its own) on a fresh engine, one after another;
+    `refusals` (optional, case_refusals' arguments) are checked first, in the same process."""
     results = {}
+    if "refusals" in args:
+        results["refusals"] = case_refusals({"ckpt": args["ckpt"], **args["refusals"]})
     for run in args["runs"]:
         started = time.monotonic()
         llm = _engine(args["ckpt"], run)
@@ -167,7 +175,29 @@ def case_kill_rank(args: dict) -> dict:
     return {"pids": pids, "error": error, "seconds": time.monotonic() - killed}
 
 
-CASES = {"platform": case_platform, "runs": case_runs, "kill_rank": case_kill_rank}
+def case_refusals(args: dict) -> dict:
+    """Each configuration built as vLLM builds it (`EngineArgs.create_engine_config`: our platform's
+    check runs, no engine starts): the error it raised, or None. Then, after the last one (which must
+    be accepted), `request`: what our platform's validate_request said of the request `args["request"]`."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    errors: dict[str, str | None] = {}
+    for name, kwargs in args["configs"].items():
+        try:
+            EngineArgs(model=args["ckpt"], **kwargs).create_engine_config()
+            errors[name] = None
+        except Exception as exc:  # vLLM wraps some in its own types: the message is what counts
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    try:
+        current_platform.validate_request(None, _params(args["request"]))
+        errors["request"] = None
+    except ValueError as exc:
+        errors["request"] = str(exc)
+    return errors
+
+
+CASES = {"platform": case_platform, "runs": case_runs, "kill_rank": case_kill_rank, "refusals": case_refusals}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,152 @@
+"""Speculative decoding under vLLM's scheduler through our plugin (the plugin lane).
+
+One vLLM process runs one workload on four engines: n-gram (vLLM runs it synchronous: our worker's
+drafts reach vLLM's scheduler through `take_draft_token_ids`, and come back scheduled), and
+draft_model async on the uni-process and mp executors (vLLM sends `-1` placeholders and optimistic
+computed counts; our runner feeds the drafts on the device, SpecSteady) and sync (the drafter's
+drafts brought home, scheduled by vLLM, verified as sent). Greedy tokens equal our own engine's
+without speculation (float64: verification over 1 + k positions is then greedy-stable), with
+`max_tokens` and a stop token falling inside an accepted run (vLLM's scheduler cuts the run: checked
+against the same prompt's uncut request in the same steps); seeded draft_model tokens are the same
+async and sync, and seeded n-gram tokens our engine's with n-gram (our drafts, so our draws).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from support.serve_harness import write_text_model
+from support.vllm_harness import needs_vllm, run_case
+
+from neuron_async_sm import LLM, PromptRequest, SamplingParams
+from neuron_async_sm.bench.checkpoint import write_noisy_copy
+
+pytestmark = needs_vllm
+
+K = 3
+MAX_MODEL_LEN = 64
+DRAFT_NOISE = 0.01  # the draft: the target's weights plus 1% of each one's std as noise (high acceptance)
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+LONG = [1, 5, 9, 13, 7, 20]  # its greedy output soon repeats (64-token vocabulary): drafts are accepted
+CUT_MAX_TOKENS = (11, 12, 13)  # max_tokens of LONG's copies: with runs of up to 1 + K, some fall inside one
+SEEDED = {"max_tokens": 20, "temperature": 0.8, "seed": 5}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[str, str]:
+    """A random Llama with a tokenizer (vLLM reads both), and its noisy copy as the draft."""
+    root = tmp_path_factory.mktemp("spec")
+    target = write_text_model(root / "target", model_type="llama", torch_dtype="float32")
+    draft = write_noisy_copy(target, root / "draft", DRAFT_NOISE)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target / name, draft / name)
+    return str(target), str(draft)
+
+
+def ours(ckpt: str, workload: list[dict], **config: object) -> dict[str, dict]:
+    """Our own engine on the same requests (float64, as vLLM's runs)."""
+    requests = [
+        PromptRequest(w["prompt"], SamplingParams(**{"ignore_eos": True, **w["params"]}), w["id"]) for w in workload
+    ]
+    with LLM(
+        ckpt, device="cpu-inprocess", max_num_seqs=8, max_model_len=MAX_MODEL_LEN, dtype="float64", **config
+    ) as llm:
+        outputs = llm.generate(requests)
+    return {o.request_id: {"tokens": list(o.output_token_ids), "finish_reason": o.finish_reason} for o in outputs}
+
+
+def workload(ckpt: str) -> list[dict]:
+    """LONG uncut, its copies cut by max_tokens and by a stop token (a token its greedy output first
+    gives at output 9 or later), another greedy prompt, and a seeded one."""
+    (long,) = ours(ckpt, [{"id": "long", "prompt": LONG, "params": {"max_tokens": 40}}]).values()
+    tokens = long["tokens"]
+    at = next(j for j in range(9, len(tokens)) if tokens[j] not in tokens[:j])
+    return [
+        {"id": "long", "prompt": LONG, "params": {"max_tokens": 40}},
+        *({"id": f"max-{m}", "prompt": LONG, "params": {"max_tokens": m}} for m in CUT_MAX_TOKENS),
+        {"id": "stop", "prompt": LONG, "params": {"max_tokens": 40, "stop_token_ids": [tokens[at]]}},
+        {"id": "other", "prompt": [1, 8, 8, 30, 31], "params": {"max_tokens": 30}},
+        {"id": "seeded", "prompt": [1, 40, 41, 9], "params": SEEDED},
+    ]
+
+
+def cut_inside_a_run(outputs: dict, req_id: str) -> bool:
+    """Did `req_id` end in a step whose run vLLM's scheduler cut? LONG's uncut request ran the same
+    steps with the same tokens, so the step in which `req_id` ended gave it more tokens than that."""
+    counts = dict(map(tuple, outputs["long"]["counts"]))  # engine step -> tokens so far
+    step, final = outputs[req_id]["counts"][-1]
+    return counts.get(step, 0) > final
+
+
+RUNS = [
+    {"name": "ngram-sync", "async": False, "backend": "uni", "speculative": "ngram"},
+    {"name": "draft-async", "async": True, "backend": "uni", "speculative": "draft_model"},
+    {"name": "draft-sync", "async": False, "backend": "uni", "speculative": "draft_model"},
+    {"name": "draft-async-mp", "async": True, "backend": "mp", "speculative": "draft_model"},
+]
+
+
+@pytest.fixture(scope="module")
+def under_vllm(checkpoints, tmp_path_factory) -> tuple[list[dict], dict]:
+    """The workload, and what one vLLM process gave: RUNS' outputs and counters, and the refusals of
+    what speculation cannot run (configurations built as vLLM builds them, and a request)."""
+    target, draft = checkpoints
+    items = workload(target)
+    methods = {"ngram": NGRAM, "draft_model": {"method": "draft_model", "num_speculative_tokens": K, "model": draft}}
+    common = {"dtype": "float64", "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 8}
+    runs = [run | common | {"speculative_config": methods[run["speculative"]]} for run in RUNS]
+    refusals = {
+        "configs": {
+            "ngram_gpu": {"speculative_config": {"method": "ngram_gpu", "num_speculative_tokens": K}},
+            "tp2": {"speculative_config": NGRAM, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+            "accepted": {"speculative_config": methods["draft_model"]},
+        },
+        "request": {"max_tokens": 8, "structured_outputs": {"json": {"type": "object"}}},
+    }
+    tmp_path = tmp_path_factory.mktemp("under-vllm")
+    result = run_case(tmp_path, "runs", {"ckpt": target, "workload": items, "runs": runs, "refusals": refusals})
+    return items, result.data
+
+
+def test_speculation_under_vllm_gives_our_tokens_async_and_sync(checkpoints, under_vllm):
+    target, _ = checkpoints
+    items, data = under_vllm
+
+    greedy = ours(target, items)
+    seeded_ngram = ours(target, items, async_scheduling=False, speculative_config=NGRAM)["seeded"]
+    for run in RUNS:
+        name, got = run["name"], data[run["name"]]
+        outputs, (stats,) = got["outputs"], got["stats"]
+        print(name, f"start {got['start_s']:.1f} s, run {got['run_s']:.2f} s", stats)
+        for item in items:
+            req_id, out = item["id"], outputs[item["id"]]
+            assert out["finished"], (name, req_id)
+            if req_id != "seeded":
+                want = greedy[req_id]
+                assert (out["tokens"], out["finish_reason"]) == (want["tokens"], want["finish_reason"]), (name, req_id)
+        # the cuts fell inside accepted runs, as placed: vLLM's scheduler dropped the run's tail
+        assert cut_inside_a_run(outputs, "stop"), (name, outputs["stop"]["counts"], outputs["long"]["counts"])
+        assert any(cut_inside_a_run(outputs, f"max-{m}") for m in CUT_MAX_TOKENS), name
+        # drafts were accepted: some step gave a request more than one token
+        assert stats["num_draft_tokens"] > 0 and stats["num_spec_rows"] > 0, stats
+        runs_of = [
+            b - a for r in outputs.values() for (_, a), (_, b) in zip(r["counts"], r["counts"][1:], strict=False)
+        ]
+        assert max(runs_of) > 1, name
+        assert stats["outputs_materialized"] == stats["outputs_created"], stats  # each output once
+        if run["async"]:  # the device fed the drafts: vLLM's placeholders never reached a program
+            assert stats["state_counts"]["SpecSteady"] > 0 and stats["overlapped_steps"] > 0, stats
+    seeded = {run["name"]: data[run["name"]]["outputs"]["seeded"]["tokens"] for run in RUNS}
+    assert seeded["draft-async"] == seeded["draft-sync"] == seeded["draft-async-mp"], seeded
+    # vLLM's n-gram run verified our worker's drafts: our engine's with n-gram draws the same tokens
+    assert seeded["ngram-sync"] == seeded_ngram["tokens"], (seeded, seeded_ngram)
+
+
+def test_what_speculation_cannot_run_under_vllm_is_refused_by_name(under_vllm):
+    errors = under_vllm[1]["refusals"]
+    print(errors)
+    assert "speculative_config.method: 'ngram_gpu' is not supported" in errors["ngram_gpu"], errors
+    assert "speculative_config with tensor_parallel_size > 1 is not supported" in errors["tp2"], errors
+    assert errors["accepted"] is None, errors
+    assert "structured_outputs is not supported with speculative_config (method 'draft_model')" in errors["request"]
