@@ -18,6 +18,7 @@ import shutil
 import pytest
 from support.serve_harness import write_text_model
 from support.vllm_harness import needs_vllm, run_case
+from test_vllm_parity import same_logprobs, vllm_position
 
 from neuron_async_sm import LLM, PromptRequest, SamplingParams
 from neuron_async_sm.bench.checkpoint import write_noisy_copy
@@ -53,12 +54,19 @@ def ours(ckpt: str, workload: list[dict], **config: object) -> dict[str, dict]:
         ckpt, device="cpu-inprocess", max_num_seqs=8, max_model_len=MAX_MODEL_LEN, dtype="float64", **config
     ) as llm:
         outputs = llm.generate(requests)
-    return {o.request_id: {"tokens": list(o.output_token_ids), "finish_reason": o.finish_reason} for o in outputs}
+    return {
+        o.request_id: {
+            "tokens": list(o.output_token_ids),
+            "finish_reason": o.finish_reason,
+            "logprobs": None if o.logprobs is None else [vllm_position(p) for p in o.logprobs],
+        }
+        for o in outputs
+    }
 
 
 def workload(ckpt: str) -> list[dict]:
     """LONG uncut, its copies cut by max_tokens and by a stop token (a token its greedy output first
-    gives at output 9 or later), another greedy prompt, and a seeded one."""
+    gives at output 9 or later), another greedy prompt, one asking for logprobs, and a seeded one."""
     (long,) = ours(ckpt, [{"id": "long", "prompt": LONG, "params": {"max_tokens": 40}}]).values()
     tokens = long["tokens"]
     at = next(j for j in range(9, len(tokens)) if tokens[j] not in tokens[:j])
@@ -67,6 +75,7 @@ def workload(ckpt: str) -> list[dict]:
         *({"id": f"max-{m}", "prompt": LONG, "params": {"max_tokens": m}} for m in CUT_MAX_TOKENS),
         {"id": "stop", "prompt": LONG, "params": {"max_tokens": 40, "stop_token_ids": [tokens[at]]}},
         {"id": "other", "prompt": [1, 8, 8, 30, 31], "params": {"max_tokens": 30}},
+        {"id": "logprobs", "prompt": [1, 12, 13, 12, 13], "params": {"max_tokens": 16, "logprobs": 2}},
         {"id": "seeded", "prompt": [1, 40, 41, 9], "params": SEEDED},
     ]
 
@@ -125,6 +134,8 @@ def test_speculation_under_vllm_gives_our_tokens_async_and_sync(checkpoints, und
             if req_id != "seeded":
                 want = greedy[req_id]
                 assert (out["tokens"], out["finish_reason"]) == (want["tokens"], want["finish_reason"]), (name, req_id)
+                # each token of a run with its own position's logprobs (vLLM slices them per request)
+                same_logprobs(out["logprobs"], want["logprobs"], f"{name} {req_id} logprobs")
         # the cuts fell inside accepted runs, as placed: vLLM's scheduler dropped the run's tail
         assert cut_inside_a_run(outputs, "stop"), (name, outputs["stop"]["counts"], outputs["long"]["counts"])
         assert any(cut_inside_a_run(outputs, f"max-{m}") for m in CUT_MAX_TOKENS), name
