@@ -3,7 +3,7 @@
 A platform has no device of its own here: the device is our runtime (the emulated Neuron device
 process by default), started by the worker. vLLM sees a CPU-typed platform with gloo. Only vLLM's
 platform interface is imported at module level: vLLM resolves the platform while its own config
-modules are still importing.
+modules are still importing (and vLLM's exceptions, which import nothing of vLLM's).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from vllm.exceptions import VLLMValidationError  # imports nothing of vLLM's
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from neuron_async_sm.config import ConfigError
@@ -29,6 +30,15 @@ DEFAULT_BLOCK_SIZE = 16  # vLLM's block accounting only: our KV cache is one slo
 # vLLM's SamplingParams is ours too (vllm_plugin/batch.py maps it).
 _UNSUPPORTED_SAMPLING = (("logprob_token_ids", None),)
 LOGPROBS_MODE = "raw_logprobs"  # vLLM's default, and the logprobs our device computes (model/logprobs.py)
+
+
+class RefusedRequest(VLLMValidationError, ValueError):
+    """A request our platform refuses: vLLM's validation error, which `vllm serve` answers with a 400
+    naming the field (any other error there is a 500 without a message), and a ValueError, as vLLM's
+    offline LLM raises its own validation errors."""
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        super().__init__(message, parameter=parameter)
 
 
 class NeuronAsyncSMPlatform(Platform):
@@ -91,18 +101,19 @@ class NeuronAsyncSMPlatform(Platform):
         for name, default in _UNSUPPORTED_SAMPLING:
             value = getattr(params, name, default)
             if value != default and not (default is None and not value):
-                raise ValueError(f"{PLUGIN_NAME}: sampling parameter {name}={value!r} is not supported")
+                raise RefusedRequest(f"{PLUGIN_NAME}: sampling parameter {name}={value!r} is not supported", name)
         if cls._speculation is not None and getattr(params, "structured_outputs", None) is not None:
             # vLLM verifies a grammar's drafts with one mask row per position, which our worker does not
             # translate; our own engine takes grammars under n-gram only (docs/spec-decode.md §12).
-            raise ValueError(
+            raise RefusedRequest(
                 f"{PLUGIN_NAME}: structured_outputs is not supported with speculative_config "
-                f"(method {cls._speculation!r}) under vLLM"
+                f"(method {cls._speculation!r}) under vLLM",
+                "structured_outputs",
             )
         try:
             sampling_params(params, params.max_tokens or max(1, params.min_tokens))
         except InvalidRequestError as exc:
-            raise ValueError(f"{PLUGIN_NAME}: {exc}") from exc
+            raise RefusedRequest(f"{PLUGIN_NAME}: {exc}") from exc
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:

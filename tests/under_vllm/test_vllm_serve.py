@@ -139,6 +139,18 @@ def test_a_client_leaving_mid_stream_frees_its_request(server):
     assert after.usage.completion_tokens == 4
 
 
+def test_a_request_our_platform_refuses_is_a_400_naming_the_field(server):
+    """validate_request's refusal reaches the client as vLLM's own validation errors do (a plain
+    ValueError there became a 500 without a message)."""
+    url, model = server
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "logprobs": 1, "logprob_token_ids": [3]}
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        completions(url, body)
+    error = json.loads(refused.value.read())["error"]
+    assert refused.value.code == 400 and error["param"] == "logprob_token_ids", error
+    assert "logprob_token_ids=[3] is not supported" in error["message"], error
+
+
 def completions(url: str, body: dict) -> dict:
     """POST a JSON body as given (no client's defaults added) to /v1/completions; its JSON answer."""
     request = urllib.request.Request(
