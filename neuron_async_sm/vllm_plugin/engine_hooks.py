@@ -78,14 +78,18 @@ def _on_update(update_from_output):
         records = _recording(self)
         ordinal = getattr(scheduler_output, ORDINAL_ATTR, None)
         if records is not None and ordinal is not None and scheduler_output.total_num_scheduled_tokens:
-            delivered, finished = [], []
+            delivered, finished, counts = [], [], []
             for engine_outputs in outputs.values():
                 for out in engine_outputs.outputs:
                     if out.new_token_ids:
                         delivered.append(out.request_id)
+                        counts.append(len(out.new_token_ids))
                     if out.finish_reason is not None:
                         finished.append([out.request_id, str(out.finish_reason)])
-            records.append(("AdvanceStep", {"ordinal": ordinal, "delivered": delivered, "finished": finished}))
+            fields = {"ordinal": ordinal, "delivered": delivered, "finished": finished}
+            if self.num_spec_tokens:  # speculative: how many tokens each of `delivered` got (a run, cut at a stop)
+                fields["counts"] = counts
+            records.append(("AdvanceStep", fields))
         return outputs
 
     return wrapper

@@ -352,9 +352,8 @@ class NeuronAsyncSMWorker(WorkerBase):
             if event == "AdvanceStep":
                 step_id = self._step_of.pop(fields["ordinal"], None)
                 if step_id is not None:  # None: a step our runner never ran (nothing scheduled)
-                    self.tracer.event(
-                        "AdvanceStep", step=step_id, delivered=fields["delivered"], finished=fields["finished"]
-                    )
+                    fields = {k: v for k, v in fields.items() if k != "ordinal"}  # delivered, finished (counts)
+                    self.tracer.event("AdvanceStep", step=step_id, **fields)
             else:
                 self.tracer.event(event, **fields)
 

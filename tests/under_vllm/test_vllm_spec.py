@@ -15,11 +15,15 @@ the same async and sync, and seeded n-gram tokens our engine's with n-gram (our 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
+from spec_trace_check import check_spec_trace
 from support.serve_harness import write_text_model
 from support.vllm_harness import needs_vllm, run_case
 from test_vllm_parity import same_logprobs, vllm_position
+from test_vllm_trace import require_tlc
+from trace_check import check_trace, read_trace
 
 from neuron_async_sm import LLM, PromptRequest, SamplingParams
 from neuron_async_sm.bench.checkpoint import write_noisy_copy
@@ -105,15 +109,35 @@ RUNS = [
 ]
 
 
+# A traced run's own workload, small enough for TLC: two greedy requests (one stops at a token inside a
+# run) and a seeded one arriving later.
+TRACED = [
+    {"id": "a", "prompt": LONG, "params": {"max_tokens": 9}},
+    {"id": "b", "prompt": [1, 8, 8, 30, 31], "params": {"max_tokens": 6, "stop_token_ids": [54]}},
+    {"id": "c", "prompt": [1, 40, 41, 9], "params": {"max_tokens": 5, "temperature": 0.8, "seed": 5}, "arrival": 2},
+]
+
+
 @pytest.fixture(scope="module")
-def under_vllm(checkpoints, tmp_path_factory) -> tuple[list[dict], dict]:
-    """The workload, and what one vLLM process gave: RUNS' outputs and counters, and the refusals of
-    what speculation cannot run (configurations built as vLLM builds them, and a request)."""
+def under_vllm(checkpoints, tmp_path_factory) -> tuple[list[dict], dict, Path]:
+    """The workload, and what one vLLM process gave: RUNS' outputs and counters, a traced draft_model
+    async run of TRACED (mp executor), and the refusals of what speculation cannot run (configurations
+    built as vLLM builds them, and a request); and the trace's path."""
     target, draft = checkpoints
     items = workload(target)
     methods = {"ngram": NGRAM, "draft_model": {"method": "draft_model", "num_speculative_tokens": K, "model": draft}}
     common = {"dtype": "float64", "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 8}
     runs = [run | common | {"speculative_config": methods[run["speculative"]]} for run in RUNS]
+    tmp_path = tmp_path_factory.mktemp("under-vllm")
+    trace = tmp_path / "draft-async-traced.ndjson"
+    traced = {
+        "name": "traced",
+        "async": True,
+        "backend": "mp",
+        "workload": TRACED,
+        "options": {"trace_path": str(trace)},
+    }
+    runs.append(traced | common | {"speculative_config": methods["draft_model"]})
     refusals = {
         "configs": {
             "ngram_gpu": {"speculative_config": {"method": "ngram_gpu", "num_speculative_tokens": K}},
@@ -122,14 +146,13 @@ def under_vllm(checkpoints, tmp_path_factory) -> tuple[list[dict], dict]:
         },
         "request": {"max_tokens": 8, "structured_outputs": {"json": {"type": "object"}}},
     }
-    tmp_path = tmp_path_factory.mktemp("under-vllm")
     result = run_case(tmp_path, "runs", {"ckpt": target, "workload": items, "runs": runs, "refusals": refusals})
-    return items, result.data
+    return items, result.data, trace
 
 
 def test_speculation_under_vllm_gives_our_tokens_async_and_sync(checkpoints, under_vllm):
     target, _ = checkpoints
-    items, data = under_vllm
+    items, data, _ = under_vllm
 
     greedy = ours(target, items)
     seeded_ngram = ours(target, items, async_scheduling=False, speculative_config=NGRAM)["seeded"]
@@ -175,3 +198,27 @@ def test_what_speculation_cannot_run_under_vllm_is_refused_by_name(under_vllm):
     assert "speculative_config with tensor_parallel_size > 1 is not supported" in errors["tp2"], errors
     assert errors["accepted"] is None, errors
     assert "structured_outputs is not supported with speculative_config (method 'draft_model')" in errors["request"]
+
+
+def test_a_traced_draft_model_run_under_vllm_is_a_behaviour_of_both_specs(under_vllm):
+    """The trace of a draft_model async run under vLLM's engine core (mp executor): its machine rows are
+    AsyncScheduling.tla's and its runs SpecDecode.tla's (each client gets each accepted token once, in
+    order, nothing after a stop; placeholders reconciled), with what each request got per step from
+    vLLM's scheduler (engine_hooks.py's AdvanceStep `counts`). The same trace claiming that every
+    request got one token per step (what the hooks recorded before they counted) is rejected."""
+    require_tlc()
+    _, data, trace = under_vllm
+    events = read_trace(trace)
+    assert data["traced"]["stats"][0]["state_counts"]["SpecSteady"] > 0
+    verdict = check_trace(events)
+    print("AsyncScheduling:", verdict.describe())
+    assert verdict.accepted, verdict.describe()
+    runs = check_spec_trace(events)
+    print("SpecDecode:", runs.describe())
+    assert runs.accepted, runs.describe()
+    steps = [e for e in events if e["event"] == "AdvanceStep"]
+    assert any(n > 1 for e in steps for n in e["counts"]), steps  # a run of accepted drafts reached a client
+    ones = [{**e, "counts": [1] * len(e["counts"])} if e["event"] == "AdvanceStep" else e for e in events]
+    wrong = check_spec_trace(ones)
+    print("SpecDecode, one token per step:", wrong.describe())
+    assert not wrong.accepted and wrong.rejected_event["event"] == "AdvanceStep", wrong.describe()
