@@ -2,7 +2,8 @@
 
 vLLM calls, in order: `init_device`, `load_model`, `get_kv_cache_spec`, `get_supported_kv_cache_layouts`,
 `determine_available_memory`, `initialize_from_config`, `compile_or_warm_up_model`, then per step
-`execute_model` and (unless the step is empty) `sample_tokens`. With async scheduling vLLM keeps one
+`execute_model` and (unless the step is empty) `sample_tokens`, then, with synchronous speculation,
+`take_draft_token_ids` (the drafts vLLM schedules next). With async scheduling vLLM keeps one
 step in flight: `execute_model(N+1)` arrives before step N's output is read, and that output is read
 through `get_output()` on the engine-core thread (uni-process executor) or on the worker's
 `WorkerAsyncOutputCopy` thread (mp executor); on a non-output tensor-parallel rank, never.
