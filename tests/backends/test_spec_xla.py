@@ -169,7 +169,8 @@ def test_constrained_requests_under_ngram_on_xla_compile_nothing_and_give_the_cp
     assert stats["compilations"] == 0, "a program was compiled while serving: warm-up missed a graph"
     assert sum(r.compilations for r in warmed if r.label.endswith("a mask")) > 0, warmed
     assert stats["spec_decode"]["num_accepted_tokens"] > 0, stats["spec_decode"]
-    assert stats["state_counts"]["HostDraftBreak"] > 0 and stats["deferred_steps"] == 0, stats
+    # a deferred spec step (its request alone, after an empty schedule) runs the same masked program
+    assert stats["state_counts"]["HostDraftBreak"] > 0, stats
     for got, reference, constraint in zip(outputs, references, CONSTRAINTS, strict=True):
         assert (got.output_token_ids, got.finish_reason) == (reference.output_token_ids, "stop"), got.request_id
         constraint.check(tokenizer.decode(got.output_token_ids))
