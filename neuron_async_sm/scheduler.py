@@ -479,8 +479,13 @@ class Scheduler:
         if held >= room:  # the next input may lie past max_model_len: wait for the reconcile
             return 0
         if request.speculating and held + self.num_spec_tokens > room - 1:
-            # For good: U falls back at each rejection, and a rule on U alone would flip the request
-            # between spec and plain rows.
+            # Hazard: async != sync near max_model_len. The row's first output n is known only as
+            # least <= n <= U; a seeded position verified against a draft draws another token than a
+            # plain one, so the switch must fall at the n sync mode's exact count gives: wait for the
+            # reconcile while n may still fit a spec row.
+            if outputs + request.num_sampling_in_flight + self.num_spec_tokens <= room - 1:
+                return 0
+            # For good: n only grows (a rule on U alone would flip the request between spec and plain rows).
             request.speculating = False
         n = min(most, 1 + self.num_spec_tokens) if request.speculating else min(most, 1)
         if n <= 0:

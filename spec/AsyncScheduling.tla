@@ -664,10 +664,15 @@ DeviceRun ==  \* programs run in enqueue order; each one's input future is the p
     /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
                    mstate, rows, host, pending, cur, stateLock, numAsync, numSync, outQueue, pc>>
 
+\* With a device drafter, a speculating request near max_model_len waits for its row in flight before
+\* its switch to plain rows, so that the switch falls where sync mode's exact count puts it
+\* (SpecDecode.tla's SwitchKnown; any such request may wait, here).
+SwitchWait == DeviceDrafter /\ \E r \in ReqSet : IsRunning(r) /\ phase[r] = "decode"
+
 WaitOldest ==  \* the queue is full, or nothing can be scheduled: wait for the oldest output (future.result())
     /\ pc["main"] = "top"
     /\ batchQueue # <<>>
-    /\ Len(batchQueue) = Depth \/ Schedules = {}
+    /\ Len(batchQueue) = Depth \/ Schedules = {} \/ SwitchWait
     /\ pc' = [pc EXCEPT !["main"] = "wait"]
     /\ UNCHANGED <<arrived, status, phase, chunks, placeholders, delivered, stopLen, finishedIds, batchQueue,
                    mstate, rows, host, pending, cur, stateLock, numAsync, numSync, steps, outQueue, ran>>

@@ -9,6 +9,7 @@ over the context still moves the logits (a KV entry read where it must not be ch
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 
 import pytest
@@ -266,9 +267,32 @@ def test_near_max_model_len_speculation_turns_off_and_the_output_ends_where_it_w
     assert len(got[-1][0]) == 1  # the last output came from a plain row: speculation was off by then
 
 
+def test_seeded_sampling_near_max_model_len_gives_the_same_tokens_async_and_sync(target, repeating):
+    """Speculation turns off at the same output in both modes: async knows that output only as a range
+    while a row is in flight, and a seeded position verified against a draft draws another token than a
+    plain one. The prompt carries its continuation, so drafts are accepted up to the switch."""
+    prompt, _ = repeating
+    near = {**ENGINE, "device": "cpu-inprocess", "max_model_len": len(prompt) + 16}
+    with (
+        LLM(target, async_scheduling=False, speculative_config=ngram(3), **near) as sync_llm,
+        LLM(target, async_scheduling=True, speculative_config=ngram(3), **near) as async_llm,
+    ):
+        for seed in (0, 1):
+            params = SamplingParams(max_tokens=100, temperature=0.5, seed=seed, ignore_eos=True)
+            want, got = deltas_of(sync_llm, prompt, params), deltas_of(async_llm, prompt, params)
+            assert [t for d, _ in got for t in d] == [t for d, _ in want for t in d], seed
+            assert got[-1][1] == want[-1][1] == "length"
+            starts = itertools.accumulate((len(d) for d, _ in want), initial=0)
+            # sync accepted drafts in a row starting at n >= room - 2 - 2k: where async, counting
+            # the row in flight as all accepted (U <= n + 1 + k), would have turned speculation off
+            assert any(len(d) > 1 and n >= 16 - 2 - 2 * 3 for (d, _), n in zip(want, starts, strict=False)), want
+
+
 def test_the_scheduler_reserves_one_plus_k_and_turns_speculation_off_for_good():
-    """Two steps in flight (async): placeholders are reconciled with each run; once outputs +
-    placeholders + k pass room - 1 the request's rows are plain, also after a rejection lowers them."""
+    """Two steps in flight (async): placeholders are reconciled with each run; a spec row needs its
+    first output n with n + k <= room - 1, so while U = outputs + placeholders says no but the fewest
+    outputs the rows in flight give say yes, the request waits for the reconcile (the switch falls at
+    sync mode's n); once n is past, its rows are plain for good."""
     config = EngineConfig(max_model_len=22, max_num_seqs=1, speculative_config=ngram(4))
     scheduler = Scheduler(config, eos_token_ids=(), vocab_size=100)
     request = Request("r", list(range(1, 9)), SamplingParams(max_tokens=50), 0, 0)  # room 14
@@ -292,13 +316,18 @@ def test_the_scheduler_reserves_one_plus_k_and_turns_speculation_off_for_good():
     assert s2.num_scheduled_tokens == {"r": 5}
     apply(s1, [51, 52, 53, 54, 55])  # every draft accepted
     assert invariant() == 6 + 5
-    s3 = scheduler.schedule()  # U = 11: 11 + 4 > 13, off
-    assert s3.num_scheduled_tokens == {"r": 1} and not s3.num_draft_tokens
-    apply(s2, [56])  # every draft rejected: U falls to 8, where 8 + 4 <= 13 again
-    assert invariant() == 7 + 1
-    s4 = scheduler.schedule()
-    assert s4.num_scheduled_tokens == {"r": 1}, "speculation came back after it was turned off"
-    steps, outputs = [s3, s4], 7
+    assert scheduler.schedule().is_empty  # U = 11: 11 + 4 > 13, but n >= 7 and 7 + 4 <= 13: wait
+    apply(s2, [56])  # every draft rejected: n = 7 exactly
+    assert invariant() == 7
+    s3 = scheduler.schedule()
+    assert s3.num_scheduled_tokens == {"r": 5}, "n = 7 fits a spec row, as in sync mode"
+    apply(s3, [57, 58, 59, 60, 61])
+    assert invariant() == 12
+    s4 = scheduler.schedule()  # n = 12: 12 + 4 > 13, off
+    assert s4.num_scheduled_tokens == {"r": 1} and not s4.num_draft_tokens
+    s5 = scheduler.schedule()
+    assert s5.num_scheduled_tokens == {"r": 1}, "speculation came back after it was turned off"
+    steps, outputs = [s4, s5], 12
     while steps:
         outputs += 1
         apply(steps.pop(0), [60 + outputs])
