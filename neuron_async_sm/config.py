@@ -335,6 +335,12 @@ def _speculation(config: EngineConfig) -> None:
         raise ConfigError(
             "speculative_config: the verification program is not compiled with torch.compile (enforce_eager) for now"
         )
+    width = config.speculative_config.width
+    if config.max_num_batched_tokens < width:  # a spec row is scheduled whole (scheduler._spec_row)
+        raise ConfigError(
+            f"max_num_batched_tokens: a spec row computes 1 + num_speculative_tokens = {width} tokens in one "
+            f"step, more than max_num_batched_tokens={config.max_num_batched_tokens}"
+        )
 
 
 def _positive(name: str, value: int) -> None:

@@ -487,8 +487,11 @@ class Scheduler:
                 return 0
             # For good: n only grows (a rule on U alone would flip the request between spec and plain rows).
             request.speculating = False
-        n = min(most, 1 + self.num_spec_tokens) if request.speculating else min(most, 1)
-        if n <= 0:
+        # Hazard: async != sync when the budget cuts drafts. Which rows a budget cuts depends on the
+        # step's company, which differs between the modes, and a seeded position verified against a
+        # draft draws another token than a plain one: a spec row runs whole or waits a step.
+        n = 1 + self.num_spec_tokens if request.speculating else 1
+        if n > most:
             return 0
         if request.grammar is not None and n > 1:
             draft_ids[request.request_id] = drafts = self._grammar_drafts(request, n - 1)

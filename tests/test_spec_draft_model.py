@@ -196,6 +196,29 @@ def test_seeded_sampling_with_a_draft_model_gives_the_same_tokens_async_and_sync
     assert states[sm.SPEC_STEADY] > 0, states
 
 
+def test_seeded_sampling_under_a_tight_token_budget_gives_the_same_tokens_async_and_sync(target, close_draft):
+    """Two spec rows do not fit the budget together. Async schedules the first request one step more
+    (its end by max_tokens is in flight), where sync gives the second its whole row: a budget that cut
+    drafts would verify the second's next positions against other drafts. A spec row runs whole."""
+    spec = draft_model(close_draft, 4)
+    tight = {**ENGINE, "device": "cpu-inprocess", "max_num_batched_tokens": 8, "prefill_buckets": (8,)}
+    items = [
+        WorkItem("a", [43, 419, 77], SamplingParams(max_tokens=27, temperature=0.3, seed=848, ignore_eos=True), 1),
+        WorkItem("b", [120, 632, 604], SamplingParams(max_tokens=27, temperature=0.3, seed=584, ignore_eos=True), 4),
+    ]
+    with (
+        LLM(target, async_scheduling=False, speculative_config=spec, **tight) as sync_llm,
+        LLM(target, async_scheduling=True, speculative_config=spec, **tight) as async_llm,
+    ):
+        want, got = drive(sync_llm, items, aborts=False), drive(async_llm, items, aborts=False)
+        assert_matches(got, want, items)
+        assert async_llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
+    with pytest.raises(
+        ConfigError, match="^max_num_batched_tokens: a spec row computes 1 \\+ num_speculative_tokens = 5"
+    ):
+        EngineConfig(max_num_batched_tokens=4, prefill_buckets=(4,), speculative_config=draft_model(target, 4))
+
+
 def test_up_to_max_model_len_the_output_ends_where_it_would_without_speculation(target, close_draft):
     """Requests that fill their room: the drafter drafts only as far as max_model_len (a draft past it
     would be a position the program refuses) and the output ends where the plain run's does.
