@@ -8,8 +8,9 @@ drafts brought home, scheduled by vLLM, verified as sent), and async again with 
 (vLLM preempts requests mid-run; they restart from their tokens). Greedy tokens equal our own
 engine's without speculation (float64: verification over 1 + k positions is then greedy-stable),
 with `max_tokens` and (draft_model) a stop token falling inside an accepted run (vLLM's scheduler
-cuts the run: checked against the same prompt's uncut request's run from the same position); seeded draft_model tokens are
-the same async and sync, and seeded n-gram tokens our engine's with n-gram (our drafts, so our draws).
+cuts the run: checked against the same prompt's uncut request's run from the same position); seeded
+draft_model tokens are the same async and sync, and seeded n-gram tokens our engine's with n-gram
+(our drafts, so our draws).
 """
 
 from __future__ import annotations
