@@ -13,8 +13,8 @@ sends a step that uses any of them all of them (`model_input.row_inputs`, `one_e
 one more variant per program, which warm-up compiles too when the engine takes such requests. A
 step with a grammar's mask carries them as well (none with `sampling_extras` off), so with a
 tokenizer (structured output) there is one variant more with the mask, and the deferred step's
-forward and sampling; under n-gram speculation the spec step's, its mask a row per verified
-position. Not warmed, compiled
+forward and sampling; under speculation the spec step's (n-gram and draft_model), its mask a row
+per verified position. Not warmed, compiled
 when serving first meets them: a logit_bias or min_tokens stop list longer than one token (its width,
 a power of two, is part of the shape), prompt logprobs.
 """
